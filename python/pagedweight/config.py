@@ -1,0 +1,126 @@
+"""PagedWeight's run-time configuration: one typed object, parsed from CLI flags or Engine kwargs.
+
+It rides on SGLang's ServerArgs as the private attribute `_paged_weight` (ServerArgs is pickled whole into
+every scheduler/TP process, private attributes included), so each process sees the same settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Optional
+
+SERVER_ARGS_ATTR = "_paged_weight"
+AP_SUBDIR = "pagedweight"
+POLICIES = ("static", "quality", "hotness")
+
+
+class PagedWeightConfigError(ValueError):
+    """A PagedWeight flag or Engine argument is invalid; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class PagedWeightConfig:
+    enable: bool = False
+    # AP checkpoint directory holding manifest.json; None -> <model_path>/pagedweight.
+    path: Optional[str] = None
+    # Initial committed bitwidth of every expert block; None -> the checkpoint's parent bitwidth.
+    bits: Optional[int] = None
+    policy: str = "static"
+    # Hash every AP file against the manifest before serving (off: only sizes and headers are checked).
+    verify: bool = True
+    # Fill freed plane memory with NaN bytes before reuse, so a stale read shows up as NaN logits.
+    debug_poison: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bits is not None and not 1 <= self.bits <= 8:
+            raise PagedWeightConfigError(
+                f"--paged-weight-bits must be between 1 and 8 (and inside the checkpoint's stored range), got {self.bits}"
+            )
+        if self.policy not in POLICIES:
+            raise PagedWeightConfigError(f"--paged-weight-policy must be one of {POLICIES}, got {self.policy!r}")
+        if not self.enable and (self.path is not None or self.bits is not None):
+            raise PagedWeightConfigError(
+                "--paged-weight-path/--paged-weight-bits were given without --enable-paged-weight; add it"
+            )
+
+    def resolve_ap_dir(self, model_path: str) -> str:
+        """The directory that holds manifest.json."""
+        if self.path is not None:
+            cand = self.path
+            if not os.path.exists(os.path.join(cand, "manifest.json")) and os.path.exists(
+                os.path.join(cand, AP_SUBDIR, "manifest.json")
+            ):
+                cand = os.path.join(cand, AP_SUBDIR)
+            return cand
+        return os.path.join(model_path, AP_SUBDIR)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# (kwarg name, CLI flag) pairs; Engine(**kwargs) uses the kwarg names.
+_KWARG_TO_FIELD = {
+    "enable_paged_weight": "enable",
+    "paged_weight_path": "path",
+    "paged_weight_bits": "bits",
+    "paged_weight_policy": "policy",
+    "paged_weight_debug_poison": "debug_poison",
+    "paged_weight_verify": "verify",
+}
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("PagedWeight (any-precision MoE experts with run-time bitwidths)")
+    group.add_argument(
+        "--enable-paged-weight",
+        action="store_true",
+        help="Serve every FusedMoE layer's experts from an Any-Precision (AP) bit-plane checkpoint.",
+    )
+    group.add_argument(
+        "--paged-weight-path",
+        type=str,
+        default=None,
+        help="AP checkpoint directory (with manifest.json). Default: <model-path>/pagedweight.",
+    )
+    group.add_argument(
+        "--paged-weight-bits",
+        type=int,
+        default=None,
+        help="Initial committed bitwidth of every expert block (default: the checkpoint's parent bitwidth).",
+    )
+    group.add_argument(
+        "--paged-weight-policy",
+        type=str,
+        default="static",
+        choices=POLICIES,
+        help="Bitwidth policy under KV-cache pressure.",
+    )
+    group.add_argument(
+        "--paged-weight-verify",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Check every AP file's SHA-256 against the manifest before serving (--no-paged-weight-verify "
+        "checks only sizes and headers; hashing reads the whole checkpoint once at startup).",
+    )
+    group.add_argument(
+        "--paged-weight-debug-poison",
+        action="store_true",
+        help="Fill freed plane memory with NaN before reuse (debugging stale reads).",
+    )
+
+
+def from_namespace(ns: argparse.Namespace) -> PagedWeightConfig:
+    values = {f: getattr(ns, k) for k, f in _KWARG_TO_FIELD.items() if hasattr(ns, k)}
+    return PagedWeightConfig(**values)
+
+
+def pop_kwargs(kwargs: dict[str, Any]) -> Optional[PagedWeightConfig]:
+    """Remove PagedWeight's keys from Engine/ServerArgs kwargs; None if there were none."""
+    found = {f: kwargs.pop(k) for k, f in _KWARG_TO_FIELD.items() if k in kwargs}
+    return PagedWeightConfig(**found) if found else None
+
+
+def field_names() -> tuple[str, ...]:
+    return tuple(f.name for f in fields(PagedWeightConfig))

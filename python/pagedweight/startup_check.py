@@ -1,0 +1,73 @@
+"""Checks run in the launching process before any SGLang scheduler starts.
+
+Every refusal raises PagedWeightStartupError with one message that names the problem and the fix, so a bad
+checkpoint or flag never leaves a half-started server behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from pagedweight.config import PagedWeightConfig
+
+# HF config keys that carry the number of routed experts, by family.
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+class PagedWeightStartupError(RuntimeError):
+    pass
+
+
+def read_model_config(model_path: str) -> dict[str, Any]:
+    path = os.path.join(model_path, "config.json")
+    if not os.path.isfile(path):
+        raise PagedWeightStartupError(
+            f"--enable-paged-weight: no config.json in --model-path {model_path!r}; give a local model directory "
+            f"(an AP checkpoint made by `pagedweight convert`, or the HF checkpoint it was made from)"
+        )
+    with open(path) as f:
+        return json.load(f)
+
+
+def num_routed_experts(hf_config: dict[str, Any]) -> int:
+    text_cfg = hf_config.get("text_config") or {}
+    for key in _EXPERT_COUNT_KEYS:
+        for c in (hf_config, text_cfg):
+            if isinstance(c.get(key), int) and c[key] > 0:
+                return c[key]
+    return 0
+
+
+def check_paged_weight_launch(server_args: Any, cfg: PagedWeightConfig) -> None:
+    model_path = server_args.model_path
+    hf_config = read_model_config(model_path)
+    if num_routed_experts(hf_config) == 0:
+        raise PagedWeightStartupError(
+            f"--enable-paged-weight needs a Mixture-of-Experts model, but {model_path!r} "
+            f"(model_type {hf_config.get('model_type')!r}) has no MoE layers; drop the flag to serve it as is"
+        )
+    if str(getattr(server_args, "load_format", "auto")) == "dummy":
+        from pagedweight.layer_sources import DUMMY_BITS_MAX, DUMMY_BITS_MIN
+
+        _check_bits(cfg, DUMMY_BITS_MIN, DUMMY_BITS_MAX, "the dummy AP planes")
+        return
+    from pagedweight.format.checkpoint import APCheckpoint, APCheckpointError
+
+    ap_dir = cfg.resolve_ap_dir(model_path)
+    try:
+        ckpt = APCheckpoint.open(ap_dir)
+        ckpt.check_model_config(hf_config)
+        ckpt.verify(deep=cfg.verify)
+    except APCheckpointError as e:
+        raise PagedWeightStartupError(f"--enable-paged-weight: {e}") from None
+    _check_bits(cfg, ckpt.bits_min, ckpt.bits_max, f"the AP checkpoint {ap_dir!r}")
+
+
+def _check_bits(cfg: PagedWeightConfig, lo: int, hi: int, what: str) -> None:
+    if cfg.bits is not None and not lo <= cfg.bits <= hi:
+        raise PagedWeightStartupError(
+            f"--paged-weight-bits {cfg.bits} is outside the range {lo}..{hi} stored in {what}; pick a bitwidth "
+            f"in {lo}..{hi} (or re-convert with `pagedweight convert --bits-min/--bits-max`)"
+        )
