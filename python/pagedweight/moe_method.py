@@ -1,0 +1,102 @@
+"""The paged-weight FusedMoE method: SGLang's MoE layers serve their experts from AP bit-planes.
+
+It replaces UnquantizedFusedMoEMethod on every FusedMoE layer (see patches/fused_moe.py). The bf16 expert
+parameters SGLang would create are zero-size placeholders whose weight_loader drops streamed-in weights, so
+no bf16 expert weight is ever resident; after loading, the layer's AP planes are committed at the configured
+bitwidth into a MoELayerStore, whose device page tables the kernel reads.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from typing import Any, Optional
+
+import torch
+
+from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
+from sglang.srt.utils import set_weight_attrs
+
+from pagedweight.config import PagedWeightConfig
+from pagedweight.runtime.expert_store import MoELayerStore
+
+logger = logging.getLogger(__name__)
+
+
+def _drop_expert_weight(param: torch.nn.Parameter, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    """weight_loader for the placeholder bf16 expert params: the AP checkpoint replaces them."""
+    return None
+
+
+class PagedWeightMoEMethod(FusedMoEMethodBase):
+    def __init__(self, cfg: PagedWeightConfig, layer_source: "LayerSource"):
+        super().__init__()
+        self.cfg = cfg
+        self.layer_source = layer_source
+        self.moe_runner_config = None
+        self.store: Optional[MoELayerStore] = None
+
+    # --- SGLang FusedMoEMethodBase interface -------------------------------------------------------
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        if getattr(layer, "with_bias", False):
+            raise ValueError(f"{layer.layer_name}: PagedWeight does not support MoE layers with biases yet")
+        for name in ("w13_weight", "w2_weight"):
+            param = torch.nn.Parameter(torch.empty(0, dtype=params_dtype), requires_grad=False)
+            layer.register_parameter(name, param)
+            set_weight_attrs(param, {"weight_loader": _drop_expert_weight})
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size_per_partition = intermediate_size_per_partition
+
+    def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config: Any) -> None:
+        self.moe_runner_config = moe_runner_config
+        if moe_runner_config.activation != "silu":
+            raise ValueError(
+                f"{layer.layer_name}: PagedWeight supports silu-gated experts, got activation "
+                f"{moe_runner_config.activation!r}"
+            )
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        device = next((p.device for p in layer.parameters()), torch.device("cpu"))
+        self.store = self.layer_source.load_layer(layer, device)
+        layer._paged_weight_store = self.store  # the runtime finds every layer's store through the model
+
+    def apply(self, layer: torch.nn.Module, dispatch_output: Any):
+        from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
+
+        from pagedweight.kernels import ap_fused_moe
+
+        if self.store is None:
+            raise RuntimeError(f"{layer.layer_name}: PagedWeight planes were not loaded")
+        x = dispatch_output.hidden_states
+        topk_weights, topk_ids, _ = dispatch_output.topk_output
+        cfg = self.moe_runner_config
+        out = ap_fused_moe(
+            x,
+            topk_weights,
+            topk_ids,
+            self.store.w13.kernel_weights(),
+            self.store.w2.kernel_weights(),
+            activation=cfg.activation,
+            apply_router_weight_on_input=cfg.apply_router_weight_on_input,
+        )
+        rsf = cfg.routed_scaling_factor
+        if rsf is not None and rsf != 1.0 and not getattr(layer, "should_fuse_routed_scaling_factor_in_topk", False):
+            out = out * rsf
+        return StandardCombineInput(hidden_states=out)
+
+
+class LayerSource(abc.ABC):
+    """Where a layer's planes come from (an AP checkpoint, or random planes for --load-format dummy)."""
+
+    @abc.abstractmethod
+    def load_layer(self, layer: torch.nn.Module, device: torch.device) -> MoELayerStore:
+        """Build the layer's store with every expert committed at the configured bitwidth."""
