@@ -1,0 +1,44 @@
+"""What the real SGLang server needs to run on a machine without a GPU (see ../shared/cpu-engine.md)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def build_fake_libcuda(out_dir: Path) -> Path:
+    """Compile the libcuda.so.1 stand-in into out_dir and return the folder to put on LD_LIBRARY_PATH."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lib = out_dir / "libcuda.so.1"
+    if not lib.exists():
+        subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(HERE / "fake_libcuda.c")], check=True)
+        (out_dir / "libcuda.so").unlink(missing_ok=True)
+        (out_dir / "libcuda.so").symlink_to(lib.name)
+    return out_dir
+
+
+def cpu_server_env(libcuda_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env["TRITON_INTERPRET"] = "1"
+    env["LD_LIBRARY_PATH"] = f"{libcuda_dir}:{env.get('LD_LIBRARY_PATH', '')}".rstrip(":")
+    env.setdefault("OMP_NUM_THREADS", "2")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+CPU_SERVER_FLAGS = [
+    "--device", "cpu",
+    "--attention-backend", "torch_native",
+    "--sampling-backend", "pytorch",
+    "--disable-cuda-graph",
+    "--page-size", "1",
+    "--max-total-tokens", "4096",
+    "--mem-fraction-static", "0.05",
+    "--max-running-requests", "8",
+    "--chunked-prefill-size", "512",
+    "--skip-server-warmup",
+]
