@@ -1,0 +1,143 @@
+"""Binary-coded any-precision quantizer (AnyBCQ-style, table kind "bcq").
+
+Per row n and group g of G consecutive inputs, the b-bit weight is
+
+    W_b[n, j] = offset_b + sum_{p < b} alpha_b[p] * s_p[n, j],   s_p = 2 * bit_p - 1 in {-1, +1}
+
+Planes are assigned progressively: starting from the 0-bit fit (the weighted group mean), plane p is the
+sign of the residual W - W_p left by the p-bit model, and earlier planes are frozen, so every bitwidth is
+a prefix of the parent's planes. After each new plane, all b + 1 coefficients of bitwidth b are refitted
+by weighted least squares, min sum_j h_j (W_j - W_b,j)^2, with h_j = E[x_j^2] (normalized_hessian_diag).
+Because the b + 1-bit basis contains the b-bit basis, the fitted error never grows with b.
+
+The seed planes (p < bits_min) are first assigned the same way and then improved by alternating
+optimization (_refine_seed) before the higher planes are frozen on top of them; the seed is the
+bitwidth served under the most memory pressure, and greedy signs alone clip the tails of bell-shaped rows.
+
+The residual for the next plane is taken against the float16-rounded coefficients, i.e. against exactly
+the model that is stored. Math is float64 (the normal equations of +-1 columns are ill-conditioned when two
+planes agree almost everywhere); a pseudo-inverse handles exactly collinear planes (e.g. constant groups).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedweight.format.block import QuantizedBlock, normalized_hessian_diag, row_chunks
+from pagedweight.format.layout import TABLE_DTYPE, BlockSpec, pack_bits
+
+_FP16_MAX = float(torch.finfo(torch.float16).max)
+
+# Alternating refinement of the seed planes enumerates 2^bits_min sign patterns per weight, so it is
+# applied for seeds of at most this many bits (the usual seeds are 2-3 bits).
+SEED_REFINE_MAX_BITS = 4
+SEED_REFINE_ITERS = 8
+
+
+def quantize_bcq(
+    weight: torch.Tensor,
+    bits_min: int,
+    bits_max: int,
+    group_size: int,
+    hessian_diag: torch.Tensor | None = None,
+) -> QuantizedBlock:
+    """Quantize W[N, K] into bits_max binary planes and one [b + 1, N, K // G] table per bitwidth b."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
+    n_rows, k = weight.shape
+    spec = BlockSpec(n_rows, k, bits_min, bits_max, "bcq", group_size)
+    w = weight.detach().to(torch.float64).cpu()
+    if not torch.isfinite(w).all():
+        raise ValueError("weight contains NaN or Inf; the source checkpoint is corrupt")
+    h = normalized_hessian_diag(hessian_diag, k).to(torch.float64).reshape(spec.num_groups, group_size)
+
+    plane_chunks: list[torch.Tensor] = []
+    table_chunks: dict[int, list[torch.Tensor]] = {b: [] for b in spec.bitwidths}
+    fit_sse = dict.fromkeys(spec.bitwidths, 0.0)
+    for rows in row_chunks(n_rows, k * (bits_max + 2)):
+        signs, tables, sse = _fit_rows(w[rows].reshape(-1, spec.num_groups, group_size), h, bits_min, bits_max)
+        plane_chunks.append(pack_bits(signs.reshape(bits_max, -1, k) > 0))
+        for b, table in tables.items():
+            table_chunks[b].append(table)
+            fit_sse[b] += sse[b]
+    planes = torch.cat(plane_chunks, dim=1)
+    tables = {b: torch.cat(t, dim=1) for b, t in table_chunks.items()}
+    return QuantizedBlock(spec, planes, tables, fit_sse)
+
+
+def _fit_rows(
+    w: torch.Tensor, h: torch.Tensor, bits_min: int, bits_max: int
+) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, float]]:
+    """w [n, groups, G] float64, h [groups, G] -> signs [bits_max, n, groups, G] (+-1), fp16 tables, SSE."""
+    approx = ((w * h).sum(-1) / h.sum(-1)).unsqueeze(-1).expand_as(w)  # 0-bit model: weighted mean
+    signs: list[torch.Tensor] = []
+    tables: dict[int, torch.Tensor] = {}
+    sse: dict[int, float] = {}
+    for p in range(bits_max):
+        signs.append(torch.where(w - approx >= 0, 1.0, -1.0).to(w.dtype))
+        coef16, approx, err = _refit(signs, w, h)
+        if p + 1 == bits_min and bits_min <= SEED_REFINE_MAX_BITS:
+            signs, coef16, approx = _refine_seed(signs, coef16, approx, err, w, h)
+        if p + 1 >= bits_min:
+            tables[p + 1] = coef16.permute(2, 0, 1).contiguous()  # [bits + 1, n, groups]
+            sse[p + 1] = float((w - approx).square().sum())
+    return torch.stack(signs, dim=0), tables, sse
+
+
+def _refit(
+    signs: list[torch.Tensor], w: torch.Tensor, h: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weighted least-squares scales + offset for frozen signs.
+
+    Returns float16 coefficients [n, groups, b + 1] (scales, then offset), the model they store
+    [n, groups, G] and its weighted error per group [n, groups].
+    """
+    x = torch.stack([*signs, torch.ones_like(w)], dim=-1)  # [n, groups, G, b + 1]
+    xh = x * h.unsqueeze(-1)
+    gram = xh.transpose(-1, -2) @ x
+    rhs = xh.transpose(-1, -2) @ w.unsqueeze(-1)
+    coef = (torch.linalg.pinv(gram, hermitian=True) @ rhs).squeeze(-1)
+    if not torch.isfinite(coef).all() or coef.abs().max() > _FP16_MAX:
+        raise ValueError(
+            "BCQ scales overflow float16 (weights beyond +-65504 or a degenerate group); "
+            "check the source weights or use --table-kind kmeans"
+        )
+    coef16 = coef.to(TABLE_DTYPE)
+    approx = (x * coef16.to(w.dtype).unsqueeze(-2)).sum(-1)
+    err = ((w - approx).pow(2) * h).sum(-1)
+    return coef16, approx, err
+
+
+def _refine_seed(
+    signs: list[torch.Tensor],
+    coef16: torch.Tensor,
+    approx: torch.Tensor,
+    err: torch.Tensor,
+    w: torch.Tensor,
+    h: torch.Tensor,
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Alternating BCQ (Xu et al., 2018) on the seed planes, before any higher plane is frozen on top.
+
+    Greedy residual signs clip the tails of bell-shaped rows; alternating (best of the 2^b sign
+    combinations per weight, then refit) fixes much of that at the seed's bitwidth, where it matters
+    most. A group keeps a new assignment only if its weighted error fell, so the seed never gets worse.
+    """
+    b = len(signs)
+    combos = torch.tensor(
+        [[1.0 if (c >> (b - 1 - p)) & 1 else -1.0 for p in range(b)] for c in range(2**b)], dtype=w.dtype
+    )  # [2^b, b]
+    for _ in range(SEED_REFINE_ITERS):
+        coef = coef16.to(w.dtype)
+        levels = coef[..., :b] @ combos.T + coef[..., b:]  # [n, groups, 2^b]
+        best = (w.unsqueeze(-1) - levels.unsqueeze(-2)).abs().argmin(-1)  # [n, groups, G]
+        new_signs = [combos[:, p][best] for p in range(b)]
+        new_coef16, new_approx, new_err = _refit(new_signs, w, h)
+        better = new_err < err  # [n, groups]
+        if not better.any():
+            break
+        keep = better.unsqueeze(-1)
+        signs = [torch.where(keep, ns, s) for ns, s in zip(new_signs, signs)]
+        coef16 = torch.where(keep, new_coef16, coef16)
+        approx = torch.where(keep, new_approx, approx)
+        err = torch.where(better, new_err, err)
+    return signs, coef16, approx

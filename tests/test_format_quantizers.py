@@ -1,0 +1,203 @@
+"""BCQ and k-means quantizers: monotone error, prefix property, exact fits, reference decoding."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from pagedweight.format.bcq import quantize_bcq
+from pagedweight.format.block import HESSIAN_DAMPING, QuantizedBlock, weighted_error
+from pagedweight.format.kmeans import quantize_kmeans
+from pagedweight.format.layout import BlockSpec, codes_from_planes, dequantize, unpack_bits
+from pagedweight.format.quantize import effective_group_size, quantize_block
+
+
+def _matrix(kind: str, n: int = 24, k: int = 128, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "gauss":
+        return torch.randn(n, k, generator=g) * 0.02
+    # Heavy tails (Student-t, 2 dof) plus a few large outliers, like real LLM weight rows.
+    normal = torch.randn(n, k, generator=g)
+    chi2 = torch.randn(n, k, 2, generator=g).square().sum(-1)
+    w = normal / (chi2 / 2).sqrt() * 0.01
+    w[torch.randint(0, n, (4,), generator=g), torch.randint(0, k, (4,), generator=g)] = 0.5
+    return w
+
+
+def _hessian(k: int, seed: int = 1) -> torch.Tensor:
+    return torch.rand(k, generator=torch.Generator().manual_seed(seed)).pow(3) * 5
+
+
+def _quantize(table_kind: str, w: torch.Tensor, bits_min: int, bits_max: int, h=None, group_size: int = 32):
+    if table_kind == "bcq":
+        return quantize_bcq(w, bits_min, bits_max, group_size, h)
+    return quantize_kmeans(w, bits_min, bits_max, h)
+
+
+@pytest.mark.parametrize("table_kind", ["bcq", "kmeans"])
+@pytest.mark.parametrize("kind", ["gauss", "heavy"])
+@pytest.mark.parametrize("bits_min", [1, 2, 3])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_error_falls_monotonically_with_bits(table_kind, kind, bits_min, weighted):
+    w = _matrix(kind)
+    h = _hessian(w.shape[1]) if weighted else None
+    block = _quantize(table_kind, w, bits_min, 8, h)
+    errors = [weighted_error(w, block.dequantize(b), h) for b in block.spec.bitwidths]
+    assert all(a >= b for a, b in zip(errors, errors[1:])), errors
+    total = weighted_error(w, torch.zeros_like(w), h)
+    assert errors[0] < total  # the seed is a real fit, not zeros
+    # 8 bits must be a close approximation, far better than the seed.
+    assert errors[-1] < 0.02 * total and errors[-1] < 0.2 * errors[0]
+
+
+@pytest.mark.parametrize("table_kind", ["bcq", "kmeans"])
+def test_reference_decoder_reproduces_the_fitted_model(table_kind):
+    w = _matrix("heavy", n=16, k=64)
+    block = _quantize(table_kind, w, 2, 6, _hessian(64))
+    for b in block.spec.bitwidths:
+        decoded = dequantize(block.planes[:b], block.tables[b], b, table_kind, block.spec.group_size)
+        assert torch.equal(decoded, block.dequantize(b))
+        assert weighted_error(w, decoded) == pytest.approx(block.fit_sse[b], rel=1e-5)
+
+
+def test_bcq_tables_are_weighted_least_squares_for_their_planes():
+    w = _matrix("heavy", n=6, k=32, seed=3)
+    h = _hessian(32, seed=4)
+    block = quantize_bcq(w, 2, 5, 16, h)
+    hn = (h / h.mean() + HESSIAN_DAMPING).double().numpy()
+    signs = np.stack([unpack_bits(block.planes[p]).double().numpy() * 2 - 1 for p in range(5)])
+    for b in range(2, 6):
+        table = block.tables[b].double().numpy()
+        for n, g in itertools.product(range(6), range(2)):
+            cols = slice(16 * g, 16 * g + 16)
+            x = np.concatenate([signs[:b, n, cols].T, np.ones((16, 1))], axis=1)
+            sw = np.sqrt(hn[cols])[:, None]
+            coef, *_ = np.linalg.lstsq(x * sw, w[n, cols].double().numpy() * sw[:, 0], rcond=None)
+            fitted = x @ coef
+            stored = x @ table[:, n, g]
+            # Same model up to float16 rounding of the coefficients (coefficients themselves can differ when
+            # two planes are collinear inside a group).
+            assert np.abs(fitted - stored).max() <= 2e-3 * np.abs(coef).sum() + 1e-7
+
+
+def test_bcq_planes_above_the_seed_code_the_residual_sign():
+    w = _matrix("gauss", n=8, k=64, seed=5)
+    block = quantize_bcq(w, 2, 6, 32)
+    for p in range(2, 6):
+        residual = w - block.dequantize(p)
+        bit = unpack_bits(block.planes[p]).bool()
+        clear = residual.abs() > 1e-6  # float32 decode vs float64 fit may disagree exactly at zero
+        assert torch.equal(bit[clear], (residual >= 0)[clear])
+
+
+def test_kmeans_prefix_property_and_weighted_centroids():
+    w = _matrix("heavy", n=10, k=96, seed=6)
+    h = _hessian(96, seed=7)
+    block = quantize_kmeans(w, 2, 7, h)
+    hn = h / h.mean() + HESSIAN_DAMPING
+    parent = codes_from_planes(block.planes, 7)
+    for b in block.spec.bitwidths:
+        code = codes_from_planes(block.planes, b)
+        assert torch.equal(code, parent >> (7 - b))  # top b bits of the parent code
+        lut = block.tables[b].float()
+        for n in range(10):
+            for c in code[n].unique().tolist():
+                members = code[n] == c
+                centroid = (w[n, members] * hn[members]).sum() / hn[members].sum()
+                assert lut[n, c] == pytest.approx(float(centroid), abs=1e-3 * float(w[n].abs().max()))
+        # Each cluster is a contiguous value range (optimal 1-D clusters are intervals).
+        for n in range(10):
+            order = torch.argsort(w[n], stable=True)
+            assert torch.all(code[n, order].diff() >= 0)
+
+
+def _sse_1d(values: np.ndarray, weights: np.ndarray) -> float:
+    if len(values) == 0:
+        return 0.0
+    mean = (values * weights).sum() / weights.sum()
+    return float((weights * (values - mean) ** 2).sum())
+
+
+def test_kmeans_splits_are_optimal_two_means():
+    # Every upscaling step must split each cluster at the SSE-optimal point (brute force over all splits).
+    w = _matrix("gauss", n=3, k=40, seed=8)
+    h = _hessian(40, seed=9)
+    hn = (h / h.mean() + HESSIAN_DAMPING).double().numpy()
+    block = quantize_kmeans(w, 1, 4, h)
+    for b in range(1, 4):
+        code_b = codes_from_planes(block.planes, b).numpy()
+        code_next = codes_from_planes(block.planes, b + 1).numpy()
+        for n in range(3):
+            for c in np.unique(code_b[n]):
+                members = np.where(code_b[n] == c)[0]
+                order = members[np.argsort(w[n, members].double().numpy(), kind="stable")]
+                vals, wts = w[n, order].double().numpy(), hn[order]
+                best = min(_sse_1d(vals[:t], wts[:t]) + _sse_1d(vals[t:], wts[t:]) for t in range(len(vals) + 1))
+                left = code_next[n, order] == 2 * c
+                got = _sse_1d(vals[left], wts[left]) + _sse_1d(vals[~left], wts[~left])
+                assert got == pytest.approx(best, rel=1e-9, abs=1e-15)
+
+
+def test_kmeans_seed_is_a_lloyd_fixed_point():
+    w = _matrix("heavy", n=5, k=64, seed=10)
+    block = quantize_kmeans(w, 3, 3)
+    lut = block.tables[3].double()
+    code = codes_from_planes(block.planes, 3)
+    # Every weight sits in the cluster of its nearest centroid (up to midpoint ties).
+    dist = (w.double().unsqueeze(-1) - lut.unsqueeze(1)).abs()
+    own = dist.gather(2, code.long().unsqueeze(-1)).squeeze(-1)
+    assert torch.all(own <= dist.min(-1).values + 1e-3 * w.abs().max())
+
+
+def test_quantizers_are_deterministic():
+    w = _matrix("heavy", n=12, k=64)
+    for kind in ("bcq", "kmeans"):
+        a, b = (_quantize(kind, w, 2, 8, _hessian(64)) for _ in range(2))
+        assert torch.equal(a.planes, b.planes)
+        assert all(torch.equal(a.tables[x], b.tables[x]) for x in a.tables)
+
+
+def test_degenerate_rows_are_exact():
+    w = torch.zeros(4, 16)
+    w[1] = 0.25  # constant row
+    w[2, :8] = -1.0  # two values
+    for kind in ("bcq", "kmeans"):
+        block = _quantize(kind, w, 2, 4, group_size=16)
+        for b in block.spec.bitwidths:
+            assert torch.allclose(block.dequantize(b), w, atol=1e-3), (kind, b)
+
+
+def test_uncalibrated_inputs_still_get_fitted():
+    # h_j = 0 for half the columns (never seen in calibration): damping keeps them fitted.
+    w = _matrix("gauss", n=8, k=64)
+    h = torch.cat([torch.zeros(32), torch.ones(32)])
+    for kind in ("bcq", "kmeans"):
+        block = _quantize(kind, w, 2, 8, h)
+        err_unseen = (w[:, :32] - block.dequantize(8)[:, :32]).square().sum()
+        assert err_unseen < 0.05 * w[:, :32].square().sum()
+
+
+def test_bad_inputs():
+    w = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_bcq(w[0], 2, 8, 32)
+    with pytest.raises(ValueError, match="NaN"):
+        quantize_kmeans(torch.full((2, 8), float("nan")), 2, 4)
+    with pytest.raises(ValueError, match="in_features must be a multiple of 8"):
+        quantize_kmeans(torch.randn(2, 12), 2, 4)
+    with pytest.raises(ValueError, match="hessian_diag has 3 entries"):
+        quantize_bcq(w, 2, 4, 32, torch.ones(3))
+    with pytest.raises(ValueError, match="non-negative"):
+        quantize_bcq(w, 2, 4, 32, -torch.ones(64))
+    with pytest.raises(ValueError, match="bits_min <= bits_max"):
+        quantize_kmeans(w, 5, 4)
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        effective_group_size(96, 64)
+    assert effective_group_size(64, 128) == 64 and effective_group_size(384, 128) == 128
+    with pytest.raises(ValueError, match="table_kind"):
+        quantize_block(w, "gptq", 2, 4)
+    with pytest.raises(ValueError, match="planes"):
+        QuantizedBlock(BlockSpec(4, 64, 2, 4, "kmeans"), torch.zeros(3, 4, 8, dtype=torch.uint8), {})
