@@ -1,0 +1,336 @@
+"""PagedWeight's quality-aware policy (Algorithm 1): lower the blocks whose predicted damage per freed byte
+is smallest, through bitwidth-floor stages, until the pressure target D is met; reload by damage removed
+per byte within a budget.
+
+Predicted damage of lowering block i = (l, e, u) from b to b' = b - 1 (eq. 8):
+
+    d = max(eps, mu_bucket(l,e) * g_i^{b->b'} * eta_i^{b->b'})
+
+The plan queue is the full greedy order of one-bit steps for the current state: stage 0 (most protective
+floors) until no step is left, then stage 1, ... A plan for target D is the shortest prefix of the queue
+that frees >= D, followed by a pruning pass that drops last-stage steps the target does not need. Because
+a stage is entered only after the previous one is exhausted, a block goes below its stage-s floor only
+when every block is at its stage-s floor: the planner never skips a stage. The queue is rebuilt only when
+the state changes (desired bits, floors, routing statistics, prompt features), so `refresh()` can run
+every scheduler iteration and the plan itself is a prefix lookup when pressure triggers.
+
+Ablation switches (QualityOptions): routing statistics (off: every block warm, mu = 1), prompt residual
+(off: eta = 1), page movement (off: bits lowered under pressure are never raised again), global
+sensitivity (off: g = number of bits dropped, so only bytes, buckets and eta rank the steps).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from pagedweight.planner.calibration import CalibrationData, CalibrationError
+from pagedweight.planner.observer import RoutingObserver
+from pagedweight.planner.prompt_residual import normalize_features
+from pagedweight.planner.routing_stats import BlockBuckets, RoutingSnapshot, RoutingStats
+from pagedweight.runtime.planner_api import BlockView, Observation, PageTableView, Plan, PlanStep
+
+logger = logging.getLogger(__name__)
+
+RoutingSource = Literal["calibration", "observer", "counts"]
+
+
+@dataclass(frozen=True)
+class QualityOptions:
+    use_routing_stats: bool = True
+    use_prompt_residual: bool = True
+    use_page_movement: bool = True
+    use_global_sensitivity: bool = True
+    alpha: float = 1.0  # strength of the prompt residual (eq. 6)
+    eps: float = 1e-12  # damage floor (eq. 8): keeps zero-damage steps ordered by bytes
+    horizon_tokens: float = 65536.0  # e-folding horizon of the online routing EMA (routed weight ~ tokens)
+    prior_tokens: float = 16384.0  # weight of the calibration masses at start, in the same unit
+
+    def __post_init__(self) -> None:
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        if not self.alpha >= 0:
+            raise ValueError(f"alpha must be >= 0, got {self.alpha}")
+        if not (self.horizon_tokens > 0 and self.prior_tokens > 0):
+            raise ValueError("horizon_tokens and prior_tokens must be > 0")
+
+
+@dataclass(frozen=True)
+class QueuedAction:
+    """One one-bit step of one block in the plan queue."""
+
+    block_id: int
+    bits_from: int
+    bits_to: int
+    damage: float
+    freed: int
+    stage: int
+
+
+@dataclass(frozen=True)
+class PlanQueue:
+    signature: tuple
+    actions: tuple[QueuedAction, ...]
+    cumulative_freed: tuple[int, ...]  # cumulative_freed[i] = freed bytes of actions[: i + 1]
+
+    @property
+    def max_freeable(self) -> int:
+        return self.cumulative_freed[-1] if self.actions else 0
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """What the last plan did; `feasible` is False when the floors could not free the target."""
+
+    direction: Literal["offload", "reload"]
+    target_bytes: int
+    planned_bytes: int
+    feasible: bool
+    stage: int  # last floor stage used (-1: none)
+    predicted_damage: float  # offload: damage added; reload: damage removed
+    num_steps: int
+    routing_source: RoutingSource
+
+    def describe(self) -> str:
+        if self.direction == "offload":
+            head = "quality offload" if self.feasible else "quality offload INFEASIBLE"
+            tail = "" if self.feasible else f" (floors allow at most {self.planned_bytes} B; lower the floors or free KV)"
+            return (f"{head}: target {self.target_bytes} B, planned {self.planned_bytes} B in {self.num_steps} steps, "
+                    f"stage {self.stage}, predicted damage {self.predicted_damage:.4g}, routing {self.routing_source}{tail}")
+        return (f"quality reload: budget {self.target_bytes} B, planned {self.planned_bytes} B in {self.num_steps} "
+                f"steps, damage removed {self.predicted_damage:.4g}, routing {self.routing_source}")
+
+
+class QualityPolicy:
+    """Policy 'quality'. Construct with the calibration; wire `observer` into the MoE forward (optional)."""
+
+    def __init__(
+        self,
+        calib: CalibrationData,
+        options: QualityOptions | None = None,
+        observer: RoutingObserver | None = None,
+    ) -> None:
+        self.calib = calib
+        self.options = options or QualityOptions()
+        if observer is not None and (observer.num_layers, observer.num_experts) != (calib.num_layers, calib.num_experts):
+            raise ValueError(
+                f"observer shape ({observer.num_layers}, {observer.num_experts}) does not match the calibration "
+                f"({calib.num_layers}, {calib.num_experts})"
+            )
+        self.observer = observer
+        self.stats = RoutingStats.from_masses(calib.routing_mass, self.options.prior_tokens, self.options.horizon_tokens)
+        self.routing_source: RoutingSource = "calibration"
+        self._phi_norm = np.full((calib.num_layers, calib.num_experts, 3), np.nan)
+        self._phi_version = 0
+        self._observer_records_seen = 0
+        self._last_counts: dict[tuple[int, int], float] = {}
+        self._queue: PlanQueue | None = None
+        self._buckets = self._make_buckets()
+        self._buckets_version = self.stats.version
+        self.last_report: PlanReport | None = None
+
+    # ---- inputs ---------------------------------------------------------------------------------
+    def _ingest(self, observation: Observation) -> None:
+        """Fold new traffic into the routing EMA and take the newest prompt features."""
+        obs = self.observer
+        if obs is not None and obs.records > 0:  # wired into the MoE forward: the only traffic source
+            if obs.records > self._observer_records_seen:
+                self._observer_records_seen = obs.records
+                traffic = obs.drain()
+                self.stats.fold(traffic.routing)
+                self._phi_norm = normalize_features(traffic.phi_raw, self.calib.residual.ref_norm)
+                self._phi_version += 1
+                self.routing_source = "observer"
+            return
+        # Not wired: routing counts from the Observation give the masses (every slot weight 1) and no
+        # prompt features (eta stays 1); `routing_source` and every plan's reason say which one is used.
+        if observation.routing_counts:
+            self._fold_counts(observation.routing_counts)
+
+    def _fold_counts(self, counts: dict[tuple[int, int], float]) -> None:
+        """Observation.routing_counts are cumulative: fold the difference since the last call."""
+        delta = np.zeros_like(self.stats.weight_sums)
+        for (layer, expert), c in counts.items():
+            if 0 <= layer < delta.shape[0] and 0 <= expert < delta.shape[1]:
+                delta[layer, expert] = float(c) - self._last_counts.get((layer, expert), 0.0)
+        self._last_counts = dict(counts)
+        if (delta < 0).any():
+            raise ValueError("Observation.routing_counts decreased; they must be cumulative since server start")
+        if delta.any():
+            self.stats.fold(RoutingSnapshot(delta, delta.astype(np.int64), np.zeros(delta.shape[0], np.int64)))
+            self.routing_source = "counts"
+
+    def _make_buckets(self) -> BlockBuckets:
+        return BlockBuckets.from_stats(self.calib.buckets, self.stats.normalized_mass())
+
+    # ---- damage model ---------------------------------------------------------------------------
+    def _bucket(self, row: BlockView) -> str:
+        if not self.options.use_routing_stats:
+            return "warm"
+        return self._buckets.bucket(row.key.layer, row.key.expert)
+
+    def predicted_damage(self, row: BlockView, bits_from: int, bits_to: int) -> float:
+        """eq. 8 for one step of one block under the current statistics."""
+        opt = self.options
+        key = (row.key.layer, row.key.expert, row.key.proj)
+        if opt.use_global_sensitivity:
+            table = self.calib.sensitivity.get(key)
+            if table is None:
+                raise CalibrationError(
+                    f"block {row.key} has no sensitivity in the calibration; re-run `pagedweight calibrate` for "
+                    "this checkpoint"
+                )
+            g = table.global_damage(bits_from, bits_to)
+        else:
+            g = float(bits_from - bits_to)
+        mu = self.calib.buckets.mu[self._bucket(row)] if opt.use_routing_stats else 1.0
+        eta = 1.0
+        if opt.use_prompt_residual and row.key.expert < self.calib.num_experts:
+            phi = self._phi_norm[row.key.layer, row.key.expert]
+            eta = float(self.calib.residual.eta(row.key.proj, bits_from, bits_to, phi, opt.alpha))
+        return max(opt.eps, mu * g * eta)
+
+    def _stage_floor(self, row: BlockView, stage: int) -> int:
+        return max(row.floor_bits, self.calib.buckets.floor(stage, self._bucket(row)))
+
+    # ---- plan queue -----------------------------------------------------------------------------
+    def refresh(self, table: PageTableView, observation: Observation) -> PlanQueue:
+        """Ingest new traffic and rebuild the plan queue if anything it depends on changed (cheap otherwise)."""
+        self._ingest(observation)
+        if self.stats.version != self._buckets_version:
+            self._buckets = self._make_buckets()
+            self._buckets_version = self.stats.version
+        rows = sorted(table, key=lambda r: r.key.sort_key())
+        signature = (
+            tuple((r.block_id, r.desired_bits, r.floor_bits, r.ceiling_bits) for r in rows),
+            self._buckets_version,
+            self._phi_version,
+        )
+        if self._queue is None or self._queue.signature != signature:
+            self._queue = self._build_queue(rows, signature)
+        return self._queue
+
+    def _build_queue(self, rows: list[BlockView], signature: tuple) -> PlanQueue:
+        bits = {r.block_id: r.desired_bits for r in rows}
+        order = {r.block_id: i for i, r in enumerate(rows)}  # deterministic tie-break: (layer, expert, proj)
+        by_id = {r.block_id: r for r in rows}
+        actions: list[QueuedAction] = []
+        for stage in range(self.calib.buckets.num_stages):
+            heap: list[tuple[float, int, int]] = []
+            for r in rows:
+                self._push_step(heap, r, bits[r.block_id], stage, order)
+            while heap:
+                _, _, bid = heapq.heappop(heap)
+                r = by_id[bid]
+                b = bits[bid]
+                actions.append(QueuedAction(bid, b, b - 1, self.predicted_damage(r, b, b - 1),
+                                            r.bytes_at(b) - r.bytes_at(b - 1), stage))
+                bits[bid] = b - 1
+                self._push_step(heap, r, b - 1, stage, order)
+        cumulative, total = [], 0
+        for a in actions:
+            total += a.freed
+            cumulative.append(total)
+        return PlanQueue(signature, tuple(actions), tuple(cumulative))
+
+    def _push_step(self, heap: list, row: BlockView, bits: int, stage: int, order: dict[int, int]) -> None:
+        if bits - 1 < self._stage_floor(row, stage):
+            return
+        freed = row.bytes_at(bits) - row.bytes_at(bits - 1)
+        if freed <= 0:
+            raise ValueError(f"block {row.key}: lowering {bits} -> {bits - 1} frees {freed} B; bytes_at must grow with bits")
+        heapq.heappush(heap, (self.predicted_damage(row, bits, bits - 1) / freed, order[row.block_id], row.block_id))
+
+    # ---- Policy interface -----------------------------------------------------------------------
+    def plan(self, table: PageTableView, target_bytes: int, observation: Observation) -> Plan:
+        queue = self.refresh(table, observation)
+        if target_bytes <= 0:
+            return self._finish(table, [], "offload", target_bytes, True, -1)
+        idx = int(np.searchsorted(np.asarray(queue.cumulative_freed, dtype=np.int64), target_bytes, side="left"))
+        if idx >= len(queue.actions):  # even the whole queue does not reach the target
+            return self._finish(table, list(queue.actions), "offload", target_bytes, False,
+                                queue.actions[-1].stage if queue.actions else -1)
+        selected = list(queue.actions[: idx + 1])
+        selected = self._prune(selected, target_bytes)
+        return self._finish(table, selected, "offload", target_bytes, True, selected[-1].stage)
+
+    @staticmethod
+    def _prune(selected: list[QueuedAction], target_bytes: int) -> list[QueuedAction]:
+        """Drop last-stage steps the target does not need, most damaging first, lowest step of a block only."""
+        last_stage = selected[-1].stage
+        total = sum(a.freed for a in selected)
+        keep = [True] * len(selected)
+        last_of_block: dict[int, int] = {}
+        for i, a in enumerate(selected):
+            last_of_block[a.block_id] = i
+        candidates = sorted(
+            (i for i, a in enumerate(selected) if a.stage == last_stage), key=lambda i: (-selected[i].damage, -i)
+        )
+        for i in candidates:
+            a = selected[i]
+            if last_of_block.get(a.block_id) == i and total - a.freed >= target_bytes:
+                keep[i] = False
+                total -= a.freed
+                prev = [j for j in range(i) if keep[j] and selected[j].block_id == a.block_id]
+                if prev:
+                    last_of_block[a.block_id] = prev[-1]
+                else:
+                    del last_of_block[a.block_id]
+        return [a for a, k in zip(selected, keep) if k]
+
+    def plan_reload(self, table: PageTableView, budget_bytes: int, observation: Observation) -> Plan:
+        self.refresh(table, observation)
+        if not self.options.use_page_movement:
+            self.last_report = PlanReport("reload", budget_bytes, 0, True, -1, 0.0, 0, self.routing_source)
+            return Plan((), "quality reload disabled (ablation: no page movement)")
+        rows = sorted(table, key=lambda r: r.key.sort_key())
+        order = {r.block_id: i for i, r in enumerate(rows)}
+        bits = {r.block_id: r.desired_bits for r in rows}
+        by_id = {r.block_id: r for r in rows}
+        heap: list[tuple[float, int, int]] = []
+
+        def push(r: BlockView) -> None:
+            b = bits[r.block_id]
+            if b + 1 <= r.ceiling_bits:
+                cost = r.bytes_at(b + 1) - r.bytes_at(b)
+                heapq.heappush(heap, (-self.predicted_damage(r, b + 1, b) / cost, order[r.block_id], r.block_id))
+
+        for r in rows:
+            push(r)
+        used, removed = 0, 0.0
+        steps: list[QueuedAction] = []
+        while heap:
+            _, _, bid = heapq.heappop(heap)
+            r = by_id[bid]
+            b = bits[bid]
+            cost = r.bytes_at(b + 1) - r.bytes_at(b)
+            if used + cost > max(budget_bytes, 0):
+                continue  # a higher step of this block costs at least as much: drop the block
+            used += cost
+            damage = self.predicted_damage(r, b + 1, b)
+            removed += damage
+            steps.append(QueuedAction(bid, b, b + 1, damage, -cost, -1))
+            bits[bid] = b + 1
+            push(r)
+        return self._finish(table, steps, "reload", budget_bytes, True, -1)
+
+    def _finish(self, table: PageTableView, actions: list[QueuedAction], direction: Literal["offload", "reload"],
+                target: int, feasible: bool, stage: int) -> Plan:
+        final: dict[int, int] = {}
+        for a in actions:
+            final[a.block_id] = a.bits_to
+        steps = tuple(
+            PlanStep(bid, b) for bid, b in sorted(final.items(), key=lambda kv: table.row(kv[0]).key.sort_key())
+            if b != table.row(bid).desired_bits
+        )
+        moved = sum(abs(a.freed) for a in actions)
+        self.last_report = PlanReport(direction, int(target), int(moved), feasible, stage,
+                                      float(sum(a.damage for a in actions)), len(steps), self.routing_source)
+        text = self.last_report.describe()
+        if not feasible:
+            logger.warning(text)
+        return Plan(steps, text)
