@@ -116,7 +116,10 @@ def _make_handler(state: FakeServerState) -> type[BaseHTTPRequestHandler]:
             elif self.path == "/v1/models":
                 self._json(200, {"data": [{"id": "fake-model", "max_model_len": 200000}]})
             elif self.path == "/server_info":
-                self._json(200, {"version": "fake", "context_length": 200000, "internal_states": [{"big": 1}]})
+                self._json(200, {
+                    "version": "fake", "context_length": 200000, "internal_states": [{"big": 1}],
+                    "enable_paged_weight": True, "paged_weight_bits": 4, "paged_weight_path": None, "unrelated": 1,
+                })  # fmt: skip
             else:
                 self._json(404, {"detail": "not found"})
 
@@ -225,7 +228,10 @@ def test_full_run_scores_templates_and_report(server, data_dir: Path, tmp_path: 
     # The average is over the official datasets only (passkey is project-defined).
     assert report["average"] == round((100 + 100 + scores["qmsum"]["score"]) / 3, 2)
     assert report["server"]["model_info"]["tokenizer_path"] == str(state.tokenizer_dir)
-    assert report["server"]["server_args"] == {"version": "fake", "context_length": 200000}
+    assert report["server"]["server_args"] == {
+        "version": "fake", "context_length": 200000,
+        "enable_paged_weight": True, "paged_weight_bits": 4, "paged_weight_path": None,
+    }  # fmt: skip
     assert report["settings"]["max_prompt_tokens"] == 100000
     assert report["this_run"]["n_requests"] == 12 and report["this_run"]["ttft_mean_s"] is None
     assert report["this_run"]["output_tokens"] > 0

@@ -73,6 +73,8 @@ def fetch_server_info(base_url: str, timeout_s: float = 30.0) -> ServerInfo:
         _, models = _get_json(client, base_url, ("/v1/models",))
         _, server = _get_json(client, base_url, ("/server_info", "/get_server_info"))
     server_args = {key: server[key] for key in _SERVER_FIELDS if key in server}
-    # Fields of plugins (PagedWeight's own server arguments) are kept too, whatever their names.
-    server_args.update({k: v for k, v in server.items() if "pagedweight" in k.lower() and isinstance(v, (str, int, float, bool, type(None)))})
+    # PagedWeight's own server arguments (--enable-paged-weight, --paged-weight-*) say which system ran.
+    server_args.update(
+        {k: v for k, v in server.items() if "paged_weight" in k and isinstance(v, (str, int, float, bool, type(None)))}
+    )
     return ServerInfo(base_url=base_url, model_info=model_info, served_models=list(models.get("data") or []), server_args=server_args)
