@@ -93,6 +93,8 @@ class FakeServerState:
     tokenizer_dir: Path
     requests: list[dict[str, Any]] = field(default_factory=list)
     fail_after: int | None = None  # answer HTTP 500 once this many requests succeeded
+    max_model_len: int = 200000
+    garbage_response: bool = False
     served: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -114,7 +116,7 @@ def _make_handler(state: FakeServerState) -> type[BaseHTTPRequestHandler]:
             if self.path == "/model_info":
                 self._json(200, {"model_path": str(state.tokenizer_dir), "tokenizer_path": str(state.tokenizer_dir)})
             elif self.path == "/v1/models":
-                self._json(200, {"data": [{"id": "fake-model", "max_model_len": 200000}]})
+                self._json(200, {"data": [{"id": "fake-model", "max_model_len": state.max_model_len}]})
             elif self.path == "/server_info":
                 self._json(200, {
                     "version": "fake", "context_length": 200000, "internal_states": [{"big": 1}],
@@ -139,6 +141,12 @@ def _make_handler(state: FakeServerState) -> type[BaseHTTPRequestHandler]:
                 prompt_tokens = len(state.tokenizer(prompt).input_ids)
             else:
                 self._json(404, {"detail": "not found"})
+                return
+            if state.garbage_response:
+                self.send_response(200)
+                self.send_header("Content-Length", "9")
+                self.end_headers()
+                self.wfile.write(b"not json!")
                 return
             answer = perfect_reader_answer(prompt)
             chat = self.path == "/v1/chat/completions"
@@ -415,3 +423,19 @@ def test_zh_datasets_are_refused_without_jieba(monkeypatch, tmp_path: Path, toke
 def test_unreachable_server_is_a_clear_error(data_dir: Path, tmp_path: Path, capsys) -> None:
     assert run_cli("http://127.0.0.1:9", data_dir, tmp_path / "out") == 2
     assert "cannot reach the SGLang server at http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_prompt_longer_than_the_server_context_is_refused_before_sending(server, data_dir: Path, tmp_path: Path, capsys) -> None:
+    base_url, state = server
+    state.max_model_len = 100
+    assert run_cli(base_url, data_dir, tmp_path / "out", "--datasets", "passkey") == 2
+    assert "exceed the server's context length 100; lower --max-prompt-tokens" in capsys.readouterr().err
+    assert state.requests == []
+
+
+def test_malformed_server_response_names_the_sample(server, data_dir: Path, tmp_path: Path, capsys) -> None:
+    base_url, state = server
+    state.garbage_response = True
+    assert run_cli(base_url, data_dir, tmp_path / "out", "--datasets", "passkey", "--concurrency", "1") == 2
+    err = capsys.readouterr().err
+    assert "passkey sample" in err and "JSONDecodeError" in err

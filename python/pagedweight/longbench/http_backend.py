@@ -174,6 +174,10 @@ class OpenAIHTTPBackend(GenerationBackend):
                     request = in_flight.pop(future)
                     error = future.exception()
                     if error is not None:
+                        if not isinstance(error, BackendError):  # e.g. a malformed JSON response
+                            wrapped = self._fail(request, f"{type(error).__name__}: {error}")
+                            wrapped.__cause__ = error
+                            error = wrapped
                         first_error = first_error or error
                         continue
                     yield request, future.result()
