@@ -126,3 +126,10 @@ def test_score_without_predictions_is_an_error(tmp_path: Path, capsys: pytest.Ca
     make_fixtures(tmp_path / "data", FixtureOptions(samples_per_file=1, passkey_filler_repeats=2))
     assert cli_main(["score", "--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "out")]) == 2
     assert "no predictions for these datasets" in capsys.readouterr().err
+
+
+def test_unknown_dataset_name_lists_the_known_ones(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli_main(["score", "--data-dir", str(tmp_path), "--out", str(tmp_path), "--datasets", "narrative_qa"])
+    err = capsys.readouterr().err
+    assert "unknown LongBench dataset 'narrative_qa'" in err and "narrativeqa" in err

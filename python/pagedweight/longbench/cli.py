@@ -25,8 +25,13 @@ class UsageError(ValueError):
 
 def _dataset_list(value: str) -> list[str]:
     names = [name for part in value.split(",") for name in part.split() if name]
+    if not names:
+        raise argparse.ArgumentTypeError("--datasets is empty; give comma-separated names such as narrativeqa,qmsum")
     for name in names:
-        get_spec(name)  # fails with the list of known names
+        try:
+            get_spec(name)
+        except ValueError as e:  # argparse shows ArgumentTypeError messages, not ValueError ones
+            raise argparse.ArgumentTypeError(str(e)) from None
     return names
 
 
