@@ -20,7 +20,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 
 from pagedweight.runtime.planner_api import BlockView, Observation, PageTableView, Plan, PlanStep
 

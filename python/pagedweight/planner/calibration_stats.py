@@ -1,0 +1,259 @@
+"""The computation behind `pagedweight calibrate` (the CLI and checkpoint reading are in pagedweight.calibrate).
+
+Runs the Hugging Face model (transformers, CPU, float32) on the text cut into prompts, captures the routed
+inputs of every MoE layer, and computes per runtime block (layer, expert, w13|w2):
+- E[x_j^2] of the block's input over the tokens routed to the expert (w2's input is act(gate) * up,
+  recomputed at full precision), and the sensitivity s^b = sum h (W - W^b)^2 at every stored bitwidth,
+  with W^b decoded from the AP checkpoint (docs/planner.md, eq. 2);
+- routing masses m_{l,e} (eq. 1), bucket thresholds on m*E and the bucket multipliers mu;
+- prompt-residual heads per (proj, b -> b-1): for every (prompt, expert) with enough routed tokens, the
+  target log(d_p / g) where d_p is the increase of the block's mean squared output error on that prompt's
+  routed tokens (quantized vs full-precision weights, same input) and g the global damage, regressed on
+  the prompt's normalised routed-input features.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from pagedweight.format.layout import BlockSpec
+from pagedweight.planner.calibration import APIdentity, CalibrationData
+from pagedweight.planner.moe_capture import MoELayerRef, RoutedCapture, find_moe_layers
+from pagedweight.planner.prompt_residual import (
+    NUM_FEATURES,
+    PromptResidualModel,
+    features_from_sums,
+    fit_head,
+    transition_key,
+)
+from pagedweight.planner.routing_stats import (
+    BucketConfig,
+    bucket_multipliers,
+    bucket_thresholds,
+    default_floor_stages,
+    routing_weight_sums,
+)
+from pagedweight.planner.sensitivity import SensitivityTable, hessian_sensitivity
+
+logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class APBlocks(Protocol):
+    """The AP checkpoint as calibration reads it: identity, names of routed expert blocks, decoded weights."""
+
+    identity: APIdentity
+
+    def block_name(self, layer: int, expert: int, proj: str) -> str:
+        """AP tensor name of a routed expert's gate / up / down block."""
+        ...
+
+    def spec(self, name: str) -> BlockSpec: ...
+
+    def weight_at(self, name: str, bits: int) -> torch.Tensor:
+        """W^b [N, K] float32."""
+        ...
+
+
+@dataclass(frozen=True)
+class CalibrateOptions:
+    tokens: int = 8192  # calibration tokens in total
+    prompt_tokens: int = 128  # tokens per prompt (the unit of the prompt residual)
+    hot_fraction: float = 0.25
+    cold_fraction: float = 0.25
+    min_prompt_tokens: int = 4  # routed tokens of one prompt to one expert for a residual sample
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 8:
+            raise ValueError(f"--prompt-tokens must be >= 8, got {self.prompt_tokens}")
+        if self.tokens < 2 * self.prompt_tokens:
+            raise ValueError(f"--tokens ({self.tokens}) must cover at least two prompts of {self.prompt_tokens}")
+        if self.min_prompt_tokens < 1:
+            raise ValueError(f"min_prompt_tokens must be >= 1, got {self.min_prompt_tokens}")
+
+
+# ---- text -> prompts ---------------------------------------------------------------------------------
+def prompts_from_text(text: str, tokenizer, options: CalibrateOptions) -> list[list[int]]:
+    """Disjoint consecutive chunks of `prompt_tokens` tokens (BOS prepended when the tokenizer has one)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][: options.tokens]
+    bos = getattr(tokenizer, "bos_token_id", None)
+    body = options.prompt_tokens - (1 if bos is not None else 0)
+    prompts = [ids[i : i + body] for i in range(0, len(ids), body)]
+    prompts = [p for p in prompts if len(p) >= body // 2]
+    if len(prompts) < 2:
+        raise ValueError(
+            f"calibration text gives {len(ids)} tokens, fewer than two prompts of {options.prompt_tokens}; "
+            "pass a longer --text file or a smaller --prompt-tokens"
+        )
+    return [([bos] if bos is not None else []) + p for p in prompts]
+
+
+# ---- one MoE layer ----------------------------------------------------------------------------------
+@dataclass
+class LayerStats:
+    sensitivity: dict[tuple[int, int, str], SensitivityTable]
+    weight_sums: np.ndarray  # [E] routing weight per expert (numerator of eq. 1)
+    ref_features: np.ndarray  # [E, 3] phi over all calibration tokens (NaN: never routed)
+    samples: dict[str, list[tuple[np.ndarray, float]]]  # transition key -> (phi_norm, rho)
+    unrouted: list[int]
+
+
+def _prompt_feature_sums(norms: torch.Tensor, weights: torch.Tensor, prompt: torch.Tensor, num_prompts: int) -> torch.Tensor:
+    """[P, 4]: (sum r|x|, sum r|x|^2, sum r, max |x|) per prompt."""
+    out = torch.zeros(num_prompts, 4, dtype=torch.float64)
+    out[:, 0].index_add_(0, prompt, (weights * norms).double())
+    out[:, 1].index_add_(0, prompt, (weights * norms * norms).double())
+    out[:, 2].index_add_(0, prompt, weights.double())
+    out[:, 3].scatter_reduce_(0, prompt, norms.double(), reduce="amax", include_self=True)
+    return out
+
+
+def _per_prompt_mean(values: torch.Tensor, prompt: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    s = torch.zeros(counts.shape[0], dtype=torch.float64).index_add_(0, prompt, values.double())
+    return s / counts.clamp(min=1)
+
+
+def layer_statistics(
+    ref: MoELayerRef,
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    prompt: torch.Tensor,
+    num_prompts: int,
+    blocks: APBlocks,
+    options: CalibrateOptions,
+) -> LayerStats:
+    ident = blocks.identity
+    bitwidths = list(range(ident.bits_min, ident.bits_max + 1))
+    num_experts = ref.num_experts
+    weight_sums = routing_weight_sums(topk_weights, topk_ids, num_experts).double().numpy()
+    sens: dict[tuple[int, int, str], SensitivityTable] = {}
+    ref_features = np.full((num_experts, NUM_FEATURES), np.nan)
+    samples: dict[str, list[tuple[np.ndarray, float]]] = defaultdict(list)
+    unrouted = []
+    for e in range(num_experts):
+        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        x, r, p = hidden[tok], topk_weights[tok, slot], prompt[tok]
+        routed = x.shape[0] > 0
+        if not routed:
+            # Never routed during calibration: take the layer's whole input distribution as its best prior
+            # for h (so its sensitivity is not zero), and no residual samples.
+            unrouted.append(e)
+            x, r, p = hidden, torch.ones(hidden.shape[0]), prompt
+        w_gate, w_up = ref.gate_up(e)
+        w_down = ref.down(e)
+        a = ref.act(x @ w_gate.T) * (x @ w_up.T)
+        h_x, h_a = x.pow(2).mean(0), a.pow(2).mean(0)
+        names = {pj: blocks.block_name(ref.layer, e, pj) for pj in ("gate", "up", "down")}
+        for pj, w in (("gate", w_gate), ("up", w_up), ("down", w_down)):
+            spec = blocks.spec(names[pj])
+            if (spec.out_features, spec.in_features) != tuple(w.shape):
+                raise ValueError(f"AP block {names[pj]} is {spec.out_features}x{spec.in_features}, the model's is "
+                                 f"{tuple(w.shape)}: the AP checkpoint was made from another model")
+        s13, s2 = {}, {}
+        err13, err2 = {}, {}  # bits -> per-token squared output error
+        for b in bitwidths:
+            g_b, u_b, d_b = (blocks.weight_at(names[pj], b) for pj in ("gate", "up", "down"))
+            s13[b] = hessian_sensitivity(w_gate, g_b, h_x) + hessian_sensitivity(w_up, u_b, h_x)
+            s2[b] = hessian_sensitivity(w_down, d_b, h_a)
+            if routed:
+                err13[b] = (x @ (w_gate - g_b).T).pow(2).sum(1) + (x @ (w_up - u_b).T).pow(2).sum(1)
+                err2[b] = (a @ (w_down - d_b).T).pow(2).sum(1)
+        sens[(ref.layer, e, "w13")] = SensitivityTable(s13)
+        sens[(ref.layer, e, "w2")] = SensitivityTable(s2)
+        if not routed:
+            continue
+        norms = x.norm(dim=-1)
+        ref_features[e] = features_from_sums(_prompt_feature_sums(norms, r, torch.zeros_like(p), 1).numpy())[0]
+        counts = torch.bincount(p, minlength=num_prompts)
+        phi = features_from_sums(_prompt_feature_sums(norms, r, p, num_prompts).numpy())
+        with np.errstate(divide="ignore", invalid="ignore"):
+            phi_norm = phi / ref_features[e]
+        ok = (counts >= options.min_prompt_tokens).numpy()
+        for proj, s_tab, err in (("w13", s13, err13), ("w2", s2, err2)):
+            mean_err = {b: _per_prompt_mean(err[b], p, counts).numpy() for b in bitwidths}
+            for b in bitwidths[1:]:
+                g = s_tab[b - 1] - s_tab[b]
+                if not g > 0:
+                    continue
+                d_p = mean_err[b - 1] - mean_err[b]
+                for q in np.nonzero(ok & (d_p > 0))[0]:
+                    samples[transition_key(proj, b, b - 1)].append((phi_norm[q], math.log(d_p[q] / g)))
+    return LayerStats(sens, weight_sums, ref_features, dict(samples), unrouted)
+
+
+# ---- the whole model -------------------------------------------------------------------------------
+def calibrate_model(model, tokenizer, blocks: APBlocks, text: str, options: CalibrateOptions,
+                    source: dict | None = None, progress: bool = True) -> CalibrationData:
+    from tqdm.auto import tqdm
+
+    cfg = model.config
+    num_layers = int(cfg.num_hidden_layers)
+    layers = find_moe_layers(model)
+    num_experts = layers[0].num_experts
+    if any(ref.num_experts != num_experts for ref in layers):
+        raise ValueError("MoE layers with different expert counts are not supported by calibration")
+    prompts = prompts_from_text(text, tokenizer, options)
+    model.eval()
+    with RoutedCapture(layers) as cap, torch.inference_mode():
+        for i, ids in enumerate(tqdm(prompts, desc="calibrate: forward", disable=not progress)):
+            cap.prompt_index = i
+            model(input_ids=torch.tensor([ids]), use_cache=False)
+    masses = np.full((num_layers, num_experts), 1.0 / num_experts)
+    ref_norm = np.full((num_layers, num_experts, NUM_FEATURES), np.nan)
+    sensitivity: dict = {}
+    samples: dict[str, list] = defaultdict(list)
+    unrouted: dict[int, list[int]] = {}
+    with torch.inference_mode():
+        for ref in tqdm(layers, desc="calibrate: sensitivity + residual", disable=not progress):
+            hidden, ids, weights, prompt = cap.captured[ref.layer].cat()
+            st = layer_statistics(ref, hidden, ids, weights, prompt, len(prompts), blocks, options)
+            sensitivity.update(st.sensitivity)
+            total = st.weight_sums.sum()
+            if total > 0:
+                masses[ref.layer] = st.weight_sums / total
+            ref_norm[ref.layer] = st.ref_features
+            for k, v in st.samples.items():
+                samples[k].extend(v)
+            if st.unrouted:
+                unrouted[ref.layer] = st.unrouted
+            cap.captured[ref.layer] = None  # free the layer's activations as we go
+    moe_rows = [ref.layer for ref in layers]
+    normalized = masses[moe_rows] * num_experts
+    hot, cold = bucket_thresholds(normalized, options.hot_fraction, options.cold_fraction)
+    buckets = BucketConfig(
+        hot_threshold=hot,
+        cold_threshold=cold,
+        mu=bucket_multipliers(normalized, hot, cold),
+        floor_stages=default_floor_stages(blocks.identity.bits_min, blocks.identity.bits_max),
+    )
+    heads = {}
+    for key in sorted(samples):
+        pts = samples[key]
+        if len(pts) < NUM_FEATURES + 2:
+            logger.info("prompt residual %s: only %d samples, no head (eta = 1)", key, len(pts))
+            continue
+        heads[key] = fit_head(np.stack([p for p, _ in pts]), np.array([t for _, t in pts]))
+    if unrouted:
+        logger.warning("experts never routed during calibration (sensitivity from the layer's inputs): %s", unrouted)
+    src = dict(source or {})
+    src.update(num_tokens=int(sum(len(p) for p in prompts)), num_prompts=len(prompts),
+               prompt_tokens=options.prompt_tokens, unrouted_experts={str(k): v for k, v in unrouted.items()},
+               residual_samples={k: len(v) for k, v in sorted(samples.items())})
+    return CalibrationData(
+        ap=blocks.identity,
+        num_layers=num_layers,
+        num_experts=num_experts,
+        sensitivity=sensitivity,
+        routing_mass=masses,
+        buckets=buckets,
+        residual=PromptResidualModel(heads, ref_norm),
+        source=src,
+    )

@@ -1,0 +1,116 @@
+"""Capture the routed inputs of every MoE layer of a Hugging Face (transformers 5) model.
+
+Transformers 5 stores a layer's experts fused in one module (`...mlp.experts` / `...block_sparse_moe.experts`)
+with 3-D parameters `gate_up_proj` [E, 2I, H] (gate rows first, then up) and `down_proj` [E, H, I], called as
+`experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])` (qwen2_moe, qwen3_moe, mixtral).
+A forward pre-hook on that module sees exactly what the calibration needs: the layer input and the router's
+choice, per token, after any normalisation of the top-k weights.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+_EXPERTS_NAME = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts")
+
+
+@dataclass
+class MoELayerRef:
+    """One MoE layer's fused experts module and its full-precision weights."""
+
+    layer: int
+    name: str
+    module: nn.Module
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.module.gate_up_proj.shape[0])
+
+    def gate_up(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_gate [I, H], W_up [I, H]) in float32."""
+        w = self.module.gate_up_proj[expert].detach().float()
+        inter = w.shape[0] // 2
+        return w[:inter], w[inter:]
+
+    def down(self, expert: int) -> torch.Tensor:
+        """W_down [H, I] in float32."""
+        return self.module.down_proj[expert].detach().float()
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module.act_fn(x)
+
+
+def find_moe_layers(model: nn.Module) -> list[MoELayerRef]:
+    """Every fused experts module, by decoder layer; clear error when the layout is not the expected one."""
+    refs = []
+    for name, module in model.named_modules():
+        m = _EXPERTS_NAME.fullmatch(name)
+        if m is None:
+            continue
+        gu, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not (isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3 and down.dim() == 3):
+            raise ValueError(
+                f"{name} ({type(module).__name__}) does not hold fused 3-D gate_up_proj/down_proj parameters; "
+                "calibration supports the transformers 5 layout of qwen2_moe, qwen3_moe and mixtral"
+            )
+        if getattr(module, "is_transposed", False) or getattr(module, "has_gate", True) is False:
+            raise ValueError(f"{name}: transposed or gate-less expert layouts are not supported by calibration")
+        if gu.shape[1] != 2 * down.shape[2] or gu.shape[2] != down.shape[1]:
+            raise ValueError(f"{name}: gate_up_proj {tuple(gu.shape)} and down_proj {tuple(down.shape)} do not fit")
+        refs.append(MoELayerRef(int(m[1]), name, module))
+    if not refs:
+        raise ValueError("the model has no MoE experts modules (layers.N.mlp.experts); is it an MoE model?")
+    return sorted(refs, key=lambda r: r.layer)
+
+
+@dataclass
+class LayerCapture:
+    """Everything routed through one MoE layer, concatenated over prompts (host, float32)."""
+
+    hidden: list[torch.Tensor] = field(default_factory=list)  # [T, H]
+    topk_ids: list[torch.Tensor] = field(default_factory=list)  # [T, k]
+    topk_weights: list[torch.Tensor] = field(default_factory=list)  # [T, k]
+    prompt: list[torch.Tensor] = field(default_factory=list)  # [T] prompt index of each token
+
+    def cat(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (torch.cat(self.hidden), torch.cat(self.topk_ids), torch.cat(self.topk_weights), torch.cat(self.prompt))
+
+
+class RoutedCapture:
+    """Context manager: pre-hooks on every experts module record (hidden, ids, weights, prompt index)."""
+
+    def __init__(self, layers: list[MoELayerRef]) -> None:
+        self.layers = layers
+        self.captured: dict[int, LayerCapture] = {ref.layer: LayerCapture() for ref in layers}
+        self.prompt_index = 0
+        self._handles: list = []
+
+    def __enter__(self) -> RoutedCapture:
+        for ref in self.layers:
+            self._handles.append(ref.module.register_forward_pre_hook(self._hook(ref.layer), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, layer: int):
+        def hook(module, args, kwargs):
+            names = ("hidden_states", "top_k_index", "top_k_weights")
+            vals = list(args) + [kwargs[n] for n in names[len(args):] if n in kwargs]
+            if len(vals) < 3:
+                raise RuntimeError(f"experts module of layer {layer} was called without (hidden, top_k_index, top_k_weights)")
+            hidden, ids, weights = vals[:3]
+            cap = self.captured[layer]
+            cap.hidden.append(hidden.detach().reshape(-1, hidden.shape[-1]).float().cpu())
+            cap.topk_ids.append(ids.detach().reshape(hidden.numel() // hidden.shape[-1], -1).long().cpu())
+            cap.topk_weights.append(weights.detach().reshape(ids.shape).float().cpu().reshape(cap.topk_ids[-1].shape))
+            cap.prompt.append(torch.full((cap.hidden[-1].shape[0],), self.prompt_index, dtype=torch.long))
+            return None
+
+        return hook

@@ -1,0 +1,158 @@
+"""Calibration on a tiny random MoE (transformers, CPU): sensitivities, routing masses and residual heads
+checked against an independent recomputation from the model's own router and weights."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pagedweight.planner.calibration_stats import APBlocks, CalibrateOptions, calibrate_model, prompts_from_text
+from pagedweight.format.layout import BlockSpec
+from pagedweight.format.quantize import quantize_block
+from pagedweight.planner.calibration import APIdentity, CalibrationData
+from pagedweight.planner.moe_capture import find_moe_layers
+from pagedweight.planner.quality_policy import QualityPolicy
+from pagedweight.tiny_model import TINY_CORPUS, TinyMoESizes, make_tiny_moe
+
+SIZES = TinyMoESizes(num_layers=2, hidden_size=64, num_experts=4, top_k=2, moe_intermediate_size=64,
+                     shared_expert_intermediate_size=64)
+OPTIONS = CalibrateOptions(tokens=1024, prompt_tokens=32, min_prompt_tokens=2)
+
+
+class QuantizedBlocks:
+    """APBlocks from quantizing the model's expert weights in memory (no files)."""
+
+    def __init__(self, model, bits_min: int = 2, bits_max: int = 4) -> None:
+        self.identity = APIdentity("bcq", bits_min, bits_max, "in-memory")
+        self.blocks = {}
+        for ref in find_moe_layers(model):
+            for e in range(ref.num_experts):
+                gate, up = ref.gate_up(e)
+                for proj, w in (("gate", gate), ("up", up), ("down", ref.down(e))):
+                    self.blocks[f"{ref.layer}.{e}.{proj}"] = quantize_block(w, "bcq", bits_min, bits_max, group_size=64)
+
+    def block_name(self, layer: int, expert: int, proj: str) -> str:
+        return f"{layer}.{expert}.{proj}"
+
+    def spec(self, name: str) -> BlockSpec:
+        return self.blocks[name].spec
+
+    def weight_at(self, name: str, bits: int) -> torch.Tensor:
+        return self.blocks[name].dequantize(bits)
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
+def calibrated(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = make_tiny_moe(tmp_path_factory.mktemp(request.param), arch=request.param, seed=0, sizes=SIZES,
+                         dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    blocks = QuantizedBlocks(model)
+    assert isinstance(blocks, APBlocks)
+    text = TINY_CORPUS * 3
+    data = calibrate_model(model, tok, blocks, text, OPTIONS, source={"text": "tiny"}, progress=False)
+    return model, tok, blocks, text, data
+
+
+def _independent_routing(model, tok, text):
+    """Per MoE layer: (hidden [T, H], ids [T, k], weights [T, k]) from the sparse block's input and router."""
+    out = {}
+    hooks = []
+    for ref in find_moe_layers(model):
+        block = model.get_submodule(ref.name.rsplit(".", 1)[0])
+
+        def hook(mod, args, layer=ref.layer):
+            h = args[0].reshape(-1, args[0].shape[-1]).float()
+            _, weights, ids = mod.gate(h)
+            prev = out.get(layer, [])
+            prev.append((h, ids, weights.float()))
+            out[layer] = prev
+
+        hooks.append(block.register_forward_pre_hook(hook))
+    with torch.inference_mode():
+        for ids in prompts_from_text(text, tok, OPTIONS):
+            model(input_ids=torch.tensor([ids]), use_cache=False)
+    for h in hooks:
+        h.remove()
+    return {k: tuple(torch.cat(x) for x in zip(*v)) for k, v in out.items()}
+
+
+def test_sensitivity_and_mass_match_independent_recomputation(calibrated):
+    model, tok, blocks, text, data = calibrated
+    routing = _independent_routing(model, tok, text)
+    for ref in find_moe_layers(model):
+        hidden, ids, weights = routing[ref.layer]
+        # eq. 1 by hand
+        mass = np.array([float(weights[ids == e].sum()) for e in range(ref.num_experts)]) / float(weights.sum())
+        assert data.routing_mass[ref.layer] == pytest.approx(mass, rel=1e-5)
+        for e in (0, ref.num_experts - 1):
+            x = hidden[(ids == e).any(dim=1)]
+            assert x.shape[0] > 0
+            gate, up = ref.gate_up(e)
+            down = ref.down(e)
+            a = torch.nn.functional.silu(x @ gate.T) * (x @ up.T)
+            for b in (2, 3, 4):
+                wg, wu, wd = (blocks.weight_at(f"{ref.layer}.{e}.{p}", b) for p in ("gate", "up", "down"))
+                s13 = float((((gate - wg) ** 2) * (x**2).mean(0)).sum() + (((up - wu) ** 2) * (x**2).mean(0)).sum())
+                s2 = float((((down - wd) ** 2) * (a**2).mean(0)).sum())
+                assert data.sensitivity[(ref.layer, e, "w13")].s(b) == pytest.approx(s13, rel=1e-4)
+                assert data.sensitivity[(ref.layer, e, "w2")].s(b) == pytest.approx(s2, rel=1e-4)
+            # more bits, less damage (on these random weights the fitted error shrinks with every plane)
+            s = data.sensitivity[(ref.layer, e, "w13")]
+            assert s.s(2) > s.s(3) > s.s(4) > 0
+
+
+def test_features_heads_and_buckets_are_consistent(calibrated):
+    model, tok, blocks, text, data = calibrated
+    moe = [ref.layer for ref in find_moe_layers(model)]
+    assert np.isfinite(data.residual.ref_norm[moe]).all()  # every expert routed on this text
+    assert set(data.residual.heads) <= {f"{p}:{b}->{b - 1}" for p in ("w13", "w2") for b in (3, 4)}
+    assert len(data.residual.heads) >= 2
+    for head in data.residual.heads.values():
+        assert 0.0 <= head.confidence <= 1.0 and head.rho_min <= head.rho_max and head.num_samples >= 5
+    # targets are log-ratios of like quantities: typical prompts sit near 0, not orders of magnitude away
+    for head in data.residual.heads.values():
+        assert abs(head.predict(np.ones(3))) < 2.0
+    normalized = data.routing_mass[moe] * data.num_experts
+    labels = [data.buckets.bucket(v) for v in normalized.reshape(-1)]
+    assert labels.count("hot") >= 1 and labels.count("cold") >= 1
+    assert data.buckets.mu["hot"] > data.buckets.mu["warm"] > data.buckets.mu["cold"]
+    assert data.source["num_prompts"] == len(prompts_from_text(text, tok, OPTIONS))
+
+
+def test_calibration_file_round_trip_drives_the_quality_policy(calibrated, tmp_path):
+    model, tok, blocks, text, data = calibrated
+    path = data.save(tmp_path / "calibration.json")
+    loaded = CalibrationData.load(path)
+    assert json.loads(path.read_text())["format"] == "pagedweight-calibration"
+    assert loaded.sensitivity == data.sensitivity
+    from tests.test_planner_policies import Row, Table
+    from pagedweight.runtime.blocks import BlockKey
+
+    rows = []
+    for (layer, e, proj), _ in sorted(loaded.sensitivity.items()):
+        spec = blocks.spec(f"{layer}.{e}.{'gate' if proj == 'w13' else 'down'}")
+        if proj == "w13":
+            spec = BlockSpec(2 * spec.out_features, spec.in_features, 2, 4, "bcq", spec.group_size)
+        rows.append(Row(len(rows), BlockKey(layer, e, proj), spec, 4, 4, 2, 4))
+    table = Table(rows)
+    pol = QualityPolicy(loaded)
+    from pagedweight.runtime.planner_api import Observation, plan_bytes_delta, validate_plan
+
+    target = sum(r.bytes_at(4) - r.bytes_at(3) for r in rows) // 2
+    plan = pol.plan(table, target, Observation())
+    validate_plan(table, plan, "offload")
+    assert plan_bytes_delta(table, plan) >= target and pol.last_report.feasible
+    assert math.isfinite(pol.last_report.predicted_damage)
+
+
+def test_prompts_from_text_rejects_short_text(calibrated):
+    _, tok, *_ = calibrated
+    with pytest.raises(ValueError, match="fewer than two prompts"):
+        prompts_from_text("a few words", tok, OPTIONS)
