@@ -291,6 +291,35 @@ def test_quality_plan_queue_is_reused_until_state_changes():
     assert pol.refresh(table, OBS) is not q1
 
 
+def test_quality_rebuilds_on_new_statistics_at_most_every_interval():
+    table, calib = random_state(7)
+    pol = QualityPolicy(calib, QualityOptions(rebuild_interval_s=1.0))
+    q1 = pol.refresh(table, Observation(now_s=0.0))
+    q2 = pol.refresh(table, Observation(now_s=0.5, routing_counts={(0, 0): 10.0}))
+    assert q2 is q1  # new statistics, but within the interval: the prepared queue stays
+    q3 = pol.refresh(table, Observation(now_s=1.5, routing_counts={(0, 0): 10.0}))
+    assert q3 is not q1 and q3.signature[1] == pol.stats.version
+
+
+def test_vectorised_step_costs_match_scalar_eq8():
+    table, calib = random_state(11)
+    head = ResidualHead(w=(0.5, -0.2, 0.1), a=0.05, confidence=0.8, rho_min=-1, rho_max=1, num_samples=9)
+    calib.residual.heads["w13:4->3"] = head
+    calib.residual.heads["w2:3->2"] = head
+    obs = RoutingObserver(calib.num_layers, calib.num_experts)
+    pol = QualityPolicy(calib, observer=obs)
+    gen = torch.Generator().manual_seed(0)
+    obs.record(0, torch.randn(32, 8, generator=gen), torch.randint(0, calib.num_experts, (32, 2), generator=gen),
+               torch.rand(32, 2, generator=gen))
+    pol.refresh(table, OBS)
+    rows = sorted(table, key=lambda r: r.key.sort_key())
+    costs = pol.step_costs(rows)
+    for i, r in enumerate(rows):
+        for b in (3, 4):
+            assert costs.damage_of(i, b) == pytest.approx(pol.predicted_damage(r, b, b - 1), rel=1e-12)
+            assert costs.freed_of(i, b) == r.bytes_at(b) - r.bytes_at(b - 1)
+
+
 def test_quality_online_routing_shift_reorders_plan():
     # two experts with identical sensitivity; calibration says expert 0 is hot
     sens = {(0, e, p): SensitivityTable({4: 0.0, 3: 1.0, 2: 3.0}) for e in range(2) for p in ("w13", "w2")}
@@ -301,7 +330,7 @@ def test_quality_online_routing_shift_reorders_plan():
     first = pol.plan(table, d, OBS)
     assert {table.row(s.block_id).key.expert for s in first.steps} == {1}
     # traffic moves entirely to expert 1 (cumulative counts, no observer wired)
-    shifted = Observation(routing_counts={(0, 0): 0.0, (0, 1): 500.0})
+    shifted = Observation(now_s=1.0, routing_counts={(0, 0): 0.0, (0, 1): 500.0})
     second = pol.plan(table, d, shifted)
     assert pol.routing_source == "counts"
     assert {table.row(s.block_id).key.expert for s in second.steps} == {0}

@@ -49,6 +49,9 @@ class QualityOptions:
     eps: float = 1e-12  # damage floor (eq. 8): keeps zero-damage steps ordered by bytes
     horizon_tokens: float = 65536.0  # e-folding horizon of the online routing EMA (routed weight ~ tokens)
     prior_tokens: float = 16384.0  # weight of the calibration masses at start, in the same unit
+    # New routing statistics / prompt features rebuild the plan queue at most this often (Observation.now_s);
+    # a change of desired bits or floors always rebuilds it. 0 = rebuild on every change.
+    rebuild_interval_s: float = 0.5
 
     def __post_init__(self) -> None:
         if not self.eps > 0:
@@ -57,6 +60,8 @@ class QualityOptions:
             raise ValueError(f"alpha must be >= 0, got {self.alpha}")
         if not (self.horizon_tokens > 0 and self.prior_tokens > 0):
             raise ValueError("horizon_tokens and prior_tokens must be > 0")
+        if not self.rebuild_interval_s >= 0:
+            raise ValueError(f"rebuild_interval_s must be >= 0, got {self.rebuild_interval_s}")
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,28 @@ class PlanQueue:
     @property
     def max_freeable(self) -> int:
         return self.cumulative_freed[-1] if self.actions else 0
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Predicted damage and freed bytes of the step b -> b-1 of row i, at [i, b - bits_min]."""
+
+    bits_min: int
+    damage: np.ndarray  # [rows, bits] float64
+    freed: np.ndarray  # [rows, bits] int64
+
+    def damage_of(self, i: int, bits_from: int) -> float:
+        return float(self.damage[i, bits_from - self.bits_min])
+
+    def freed_of(self, i: int, bits_from: int) -> int:
+        return int(self.freed[i, bits_from - self.bits_min])
+
+    def ratio(self, i: int, bits_from: int) -> float:
+        j = bits_from - self.bits_min
+        freed = int(self.freed[i, j])
+        if freed <= 0:
+            raise ValueError(f"row {i}: the step {bits_from} -> {bits_from - 1} frees {freed} B; M^b must grow with b")
+        return float(self.damage[i, j]) / freed
 
 
 @dataclass(frozen=True)
@@ -129,6 +156,9 @@ class QualityPolicy:
         self._observer_records_seen = 0
         self._last_counts: dict[tuple[int, int], float] = {}
         self._queue: PlanQueue | None = None
+        self._g_cache: dict[tuple[int, int, str], np.ndarray] = {}
+        self._freed_cache: dict[tuple[int, tuple], np.ndarray] = {}
+        self._built_at_s = 0.0
         self._buckets = self._make_buckets()
         self._buckets_version = self.stats.version
         self.last_report: PlanReport | None = None
@@ -176,15 +206,9 @@ class QualityPolicy:
     def predicted_damage(self, row: BlockView, bits_from: int, bits_to: int) -> float:
         """eq. 8 for one step of one block under the current statistics."""
         opt = self.options
-        key = (row.key.layer, row.key.expert, row.key.proj)
         if opt.use_global_sensitivity:
-            table = self.calib.sensitivity.get(key)
-            if table is None:
-                raise CalibrationError(
-                    f"block {row.key} has no sensitivity in the calibration; re-run `pagedweight calibrate` for "
-                    "this checkpoint"
-                )
-            g = table.global_damage(bits_from, bits_to)
+            self._global_damage_row(row)  # clear error when the calibration lacks this block
+            g = self.calib.sensitivity[(row.key.layer, row.key.expert, row.key.proj)].global_damage(bits_from, bits_to)
         else:
             g = float(bits_from - bits_to)
         mu = self.calib.buckets.mu[self._bucket(row)] if opt.use_routing_stats else 1.0
@@ -205,45 +229,97 @@ class QualityPolicy:
             self._buckets = self._make_buckets()
             self._buckets_version = self.stats.version
         rows = sorted(table, key=lambda r: r.key.sort_key())
-        signature = (
-            tuple((r.block_id, r.desired_bits, r.floor_bits, r.ceiling_bits) for r in rows),
-            self._buckets_version,
-            self._phi_version,
+        table_sig = tuple((r.block_id, r.desired_bits, r.floor_bits, r.ceiling_bits) for r in rows)
+        signature = (table_sig, self._buckets_version, self._phi_version)
+        q = self._queue
+        stale_stats = q is not None and q.signature != signature and (
+            observation.now_s - self._built_at_s >= self.options.rebuild_interval_s
         )
-        if self._queue is None or self._queue.signature != signature:
+        if q is None or q.signature[0] != table_sig or stale_stats:
             self._queue = self._build_queue(rows, signature)
+            self._built_at_s = observation.now_s
         return self._queue
 
+    def step_costs(self, rows: list[BlockView]) -> StepCosts:
+        """Damage and bytes of every one-bit step of every row, vectorised (eq. 8 for all rows at once).
+
+        Column j is the transition (bits_min + j) -> (bits_min + j - 1); column 0 is unused.
+        """
+        opt, calib = self.options, self.calib
+        bmin, bmax = calib.ap.bits_min, calib.ap.bits_max
+        n, nb = len(rows), bmax - bmin + 1
+        g = np.zeros((n, nb))
+        freed = np.zeros((n, nb), dtype=np.int64)
+        for i, r in enumerate(rows):
+            freed[i] = self._freed_row(r, bmin, nb)
+            if opt.use_global_sensitivity:
+                g[i] = self._global_damage_row(r)
+            else:
+                g[i, 1:] = 1.0  # one bit dropped per step
+        mu = np.ones(n)
+        if opt.use_routing_stats:
+            mu = np.array([calib.buckets.mu[self._bucket(r)] for r in rows])
+        eta = np.ones((n, nb))
+        if opt.use_prompt_residual:
+            for proj in {r.key.proj for r in rows}:
+                idx = np.array([i for i, r in enumerate(rows) if r.key.proj == proj and r.key.expert < calib.num_experts],
+                               dtype=np.int64)
+                if idx.size == 0:
+                    continue
+                phi = self._phi_norm[[rows[i].key.layer for i in idx], [rows[i].key.expert for i in idx]]
+                for b in range(bmin + 1, bmax + 1):
+                    eta[idx, b - bmin] = calib.residual.eta(proj, b, b - 1, phi, opt.alpha)
+        damage = np.maximum(opt.eps, mu[:, None] * g * eta)
+        return StepCosts(bmin, damage, freed)
+
+    def _freed_row(self, row: BlockView, bmin: int, nb: int) -> np.ndarray:
+        """Delta of every one-bit step of one block (eq. 3), cached per (block id, key, spec)."""
+        ck = (row.block_id, (row.key, row.spec))
+        cached = self._freed_cache.get(ck)
+        if cached is None:
+            cached = np.zeros(nb, dtype=np.int64)
+            lo, hi = max(bmin, row.spec.bits_min), min(bmin + nb - 1, row.spec.bits_max)
+            for b in range(lo + 1, hi + 1):
+                cached[b - bmin] = row.bytes_at(b) - row.bytes_at(b - 1)
+            self._freed_cache[ck] = cached
+        return cached
+
+    def _global_damage_row(self, row: BlockView) -> np.ndarray:
+        """g for every one-bit step of one block, cached per block key (the calibration never changes)."""
+        key = (row.key.layer, row.key.expert, row.key.proj)
+        cached = self._g_cache.get(key)
+        if cached is None:
+            table = self.calib.sensitivity.get(key)
+            if table is None:
+                raise CalibrationError(
+                    f"block {row.key} has no sensitivity in the calibration; re-run `pagedweight calibrate` for "
+                    "this checkpoint"
+                )
+            bmin = self.calib.ap.bits_min
+            cached = np.zeros(self.calib.ap.bits_max - bmin + 1)
+            for b in table.bitwidths[1:]:
+                cached[b - bmin] = table.global_damage(b, b - 1)
+            self._g_cache[key] = cached
+        return cached
+
     def _build_queue(self, rows: list[BlockView], signature: tuple) -> PlanQueue:
-        bits = {r.block_id: r.desired_bits for r in rows}
-        order = {r.block_id: i for i, r in enumerate(rows)}  # deterministic tie-break: (layer, expert, proj)
-        by_id = {r.block_id: r for r in rows}
+        costs = self.step_costs(rows)
+        bits = [r.desired_bits for r in rows]
         actions: list[QueuedAction] = []
         for stage in range(self.calib.buckets.num_stages):
-            heap: list[tuple[float, int, int]] = []
-            for r in rows:
-                self._push_step(heap, r, bits[r.block_id], stage, order)
+            floors = [self._stage_floor(r, stage) for r in rows]
+            # (damage per byte, row index) with row index = (layer, expert, proj) order: deterministic ties
+            heap = [(costs.ratio(i, bits[i]), i) for i in range(len(rows)) if bits[i] - 1 >= floors[i]]
+            heapq.heapify(heap)
             while heap:
-                _, _, bid = heapq.heappop(heap)
-                r = by_id[bid]
-                b = bits[bid]
-                actions.append(QueuedAction(bid, b, b - 1, self.predicted_damage(r, b, b - 1),
-                                            r.bytes_at(b) - r.bytes_at(b - 1), stage))
-                bits[bid] = b - 1
-                self._push_step(heap, r, b - 1, stage, order)
-        cumulative, total = [], 0
-        for a in actions:
-            total += a.freed
-            cumulative.append(total)
+                _, i = heapq.heappop(heap)
+                b = bits[i]
+                actions.append(QueuedAction(rows[i].block_id, b, b - 1, costs.damage_of(i, b), costs.freed_of(i, b), stage))
+                bits[i] = b - 1
+                if b - 2 >= floors[i]:
+                    heapq.heappush(heap, (costs.ratio(i, b - 1), i))
+        cumulative = np.cumsum([a.freed for a in actions], dtype=np.int64).tolist() if actions else []
         return PlanQueue(signature, tuple(actions), tuple(cumulative))
-
-    def _push_step(self, heap: list, row: BlockView, bits: int, stage: int, order: dict[int, int]) -> None:
-        if bits - 1 < self._stage_floor(row, stage):
-            return
-        freed = row.bytes_at(bits) - row.bytes_at(bits - 1)
-        if freed <= 0:
-            raise ValueError(f"block {row.key}: lowering {bits} -> {bits - 1} frees {freed} B; bytes_at must grow with bits")
-        heapq.heappush(heap, (self.predicted_damage(row, bits, bits - 1) / freed, order[row.block_id], row.block_id))
 
     # ---- Policy interface -----------------------------------------------------------------------
     def plan(self, table: PageTableView, target_bytes: int, observation: Observation) -> Plan:
@@ -288,34 +364,24 @@ class QualityPolicy:
             self.last_report = PlanReport("reload", budget_bytes, 0, True, -1, 0.0, 0, self.routing_source)
             return Plan((), "quality reload disabled (ablation: no page movement)")
         rows = sorted(table, key=lambda r: r.key.sort_key())
-        order = {r.block_id: i for i, r in enumerate(rows)}
-        bits = {r.block_id: r.desired_bits for r in rows}
-        by_id = {r.block_id: r for r in rows}
-        heap: list[tuple[float, int, int]] = []
-
-        def push(r: BlockView) -> None:
-            b = bits[r.block_id]
-            if b + 1 <= r.ceiling_bits:
-                cost = r.bytes_at(b + 1) - r.bytes_at(b)
-                heapq.heappush(heap, (-self.predicted_damage(r, b + 1, b) / cost, order[r.block_id], r.block_id))
-
-        for r in rows:
-            push(r)
-        used, removed = 0, 0.0
+        costs = self.step_costs(rows)
+        bits = [r.desired_bits for r in rows]
+        # raising b -> b+1 removes the damage of the step b+1 -> b and costs its bytes
+        heap = [(-costs.ratio(i, bits[i] + 1), i) for i, r in enumerate(rows) if bits[i] + 1 <= r.ceiling_bits]
+        heapq.heapify(heap)
+        used, budget = 0, max(budget_bytes, 0)
         steps: list[QueuedAction] = []
         while heap:
-            _, _, bid = heapq.heappop(heap)
-            r = by_id[bid]
-            b = bits[bid]
-            cost = r.bytes_at(b + 1) - r.bytes_at(b)
-            if used + cost > max(budget_bytes, 0):
+            _, i = heapq.heappop(heap)
+            b = bits[i]
+            cost = costs.freed_of(i, b + 1)
+            if used + cost > budget:
                 continue  # a higher step of this block costs at least as much: drop the block
             used += cost
-            damage = self.predicted_damage(r, b + 1, b)
-            removed += damage
-            steps.append(QueuedAction(bid, b, b + 1, damage, -cost, -1))
-            bits[bid] = b + 1
-            push(r)
+            steps.append(QueuedAction(rows[i].block_id, b, b + 1, costs.damage_of(i, b + 1), -cost, -1))
+            bits[i] = b + 1
+            if b + 2 <= rows[i].ceiling_bits:
+                heapq.heappush(heap, (-costs.ratio(i, b + 2), i))
         return self._finish(table, steps, "reload", budget_bytes, True, -1)
 
     def _finish(self, table: PageTableView, actions: list[QueuedAction], direction: Literal["offload", "reload"],
