@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedweight.format.layout import BlockSpec, dequantize, pack_bits
-from pagedweight.planner.calibration import APIdentity, CalibrationData, CalibrationError
+from pagedweight.planner.calibration import APIdentity, CalibrationData, CalibrationError, load_for_checkpoint
 from pagedweight.planner.observer import RoutingObserver
 from pagedweight.planner.prompt_residual import (
     PromptResidualModel,
@@ -259,3 +259,18 @@ def test_calibration_roundtrip_and_validation(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(CalibrationError, match="not valid JSON"):
         CalibrationData.load(tmp_path / "bad.json")
+
+
+def test_load_for_checkpoint_checks_the_manifest(tmp_path):
+    _calib().save(tmp_path / "calibration.json")
+    manifest = {"format": "pagedweight-ap", "table_kind": "bcq", "bits_min": 2, "bits_max": 4,
+                "model": {"config_sha256": "abc"}}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert load_for_checkpoint(tmp_path).num_experts == 3
+    manifest["bits_max"] = 8
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CalibrationError, match="bits_max=4, this one has 8"):
+        load_for_checkpoint(tmp_path)
+    (tmp_path / "manifest.json").write_text("{}")
+    with pytest.raises(CalibrationError, match="not a valid AP manifest"):
+        load_for_checkpoint(tmp_path)

@@ -184,6 +184,25 @@ class CalibrationData:
         return cls.from_json(d, where=str(path))
 
 
+def ap_identity_from_manifest(ap_dir: str | os.PathLike) -> APIdentity:
+    """The identity fields of an AP checkpoint's manifest.json (docs/format.md)."""
+    path = Path(ap_dir) / "manifest.json"
+    try:
+        m = json.loads(path.read_text())
+        return APIdentity(str(m["table_kind"]), int(m["bits_min"]), int(m["bits_max"]), str(m["model"]["config_sha256"]))
+    except FileNotFoundError:
+        raise CalibrationError(f"no AP manifest at {path}") from None
+    except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
+        raise CalibrationError(f"{path} is not a valid AP manifest ({e!r})") from None
+
+
+def load_for_checkpoint(ap_dir: str | os.PathLike, path: str | os.PathLike | None = None) -> CalibrationData:
+    """Load `path` (default: AP_DIR/calibration.json) and refuse it if it was made for another checkpoint."""
+    data = CalibrationData.load(Path(path) if path is not None else Path(ap_dir) / CALIBRATION_FILENAME)
+    data.check_matches(ap_identity_from_manifest(ap_dir))
+    return data
+
+
 def _finite_list(a: np.ndarray) -> list:
     """NaN (experts never routed during calibration) is stored as null: JSON has no NaN."""
     return np.where(np.isfinite(a), a, None).tolist()
