@@ -46,6 +46,7 @@ def group_size_for(k: int, preferred: int = DUMMY_GROUP) -> int:
 
 
 def _pin(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host copies are pinned on CUDA machines so reloads can copy asynchronously."""
     return t.pin_memory() if device.type == "cuda" else t
 
 
