@@ -156,3 +156,60 @@ def test_prompts_from_text_rejects_short_text(calibrated):
     _, tok, *_ = calibrated
     with pytest.raises(ValueError, match="fewer than two prompts"):
         prompts_from_text("a few words", tok, OPTIONS)
+
+
+# ---- end to end: tiny model -> AP checkpoint on disk -> `pagedweight calibrate` ------------------------
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    from pagedweight.convert import convert_checkpoint
+
+    root = tmp_path_factory.mktemp("e2e")
+    model_dir = make_tiny_moe(root / "hf", arch="qwen2_moe", seed=1, sizes=SIZES)
+    ap_dir = convert_checkpoint(model_dir, root / "ap", bits_min=2, bits_max=4, group_size=64, progress=False)
+    text = root / "calib.txt"
+    text.write_text(TINY_CORPUS * 3)
+    return model_dir, ap_dir, text
+
+
+def _cli(argv):
+    import argparse
+
+    from pagedweight.calibrate import register_cli
+
+    parser = argparse.ArgumentParser(prog="pagedweight")
+    register_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_calibrate_cli_end_to_end(converted, capsys):
+    from pagedweight.format.checkpoint import APCheckpoint
+    from pagedweight.planner.calibration import load_for_checkpoint
+
+    model_dir, ap_dir, text = converted
+    rc = _cli(["calibrate", "--model", str(model_dir), "--ap", str(ap_dir), "--text", str(text),
+               "--tokens", "512", "--prompt-tokens", "32"])
+    assert rc == 0, capsys.readouterr().err
+    ckpt = APCheckpoint.open(ap_dir)
+    data = load_for_checkpoint(ckpt.directory)
+    assert (data.ap.bits_min, data.ap.bits_max, data.ap.table_kind) == (2, 4, "bcq")
+    # one w13 and one w2 sensitivity table per routed expert of every MoE layer
+    want = {(layer, e, p) for layer in ckpt.layers() for e in ckpt.experts(layer) if isinstance(e, int)
+            for p in ("w13", "w2")}
+    assert set(data.sensitivity) == want
+    assert data.source["num_prompts"] >= 2 and np.allclose(data.routing_mass.sum(axis=1), 1.0)
+    # the decoded 4-bit weights are the best: s^4 < s^2 everywhere
+    assert all(t.s(4) < t.s(2) for t in data.sensitivity.values())
+
+
+def test_calibrate_cli_refuses_bad_input(converted, tmp_path, capsys):
+    model_dir, ap_dir, text = converted
+    assert _cli(["calibrate", "--model", str(model_dir), "--ap", str(tmp_path), "--text", str(text)]) == 2
+    assert "no manifest.json" in capsys.readouterr().err
+    assert _cli(["calibrate", "--model", str(model_dir), "--ap", str(ap_dir), "--text", str(tmp_path / "none.txt")]) == 2
+    assert "--text" in capsys.readouterr().err
+    other = make_tiny_moe(tmp_path / "other", arch="qwen2_moe", seed=1,
+                          sizes=TinyMoESizes(num_layers=3, hidden_size=64, num_experts=4, top_k=2,
+                                             moe_intermediate_size=64, shared_expert_intermediate_size=64))
+    assert _cli(["calibrate", "--model", str(other), "--ap", str(ap_dir), "--text", str(text)]) == 2
+    assert "converted from another model" in capsys.readouterr().err

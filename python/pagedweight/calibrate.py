@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,44 +25,21 @@ if TYPE_CHECKING:
     from pagedweight.planner.calibration_stats import CalibrateOptions
 
 # ---- the AP checkpoint on disk -----------------------------------------------------------------------
-def resolve_ap_dir(path: str | Path) -> Path:
-    """The directory holding manifest.json: AP_DIR itself or AP_DIR/pagedweight."""
-    p = Path(path)
-    for cand in (p, p / "pagedweight"):
-        if (cand / "manifest.json").is_file():
-            return cand
-    raise FileNotFoundError(f"no AP manifest under {p} (looked for manifest.json and pagedweight/manifest.json); "
-                            "convert the model first with `pagedweight convert`")
-
-
 class CheckpointBlocks:
     """APBlocks (calibration_stats) over an AP checkpoint directory (reader: pagedweight.format.checkpoint)."""
 
     def __init__(self, ap_dir: str | Path) -> None:
-        from pagedweight.format.arch import BlockKey, adapter_for
         from pagedweight.format.checkpoint import APCheckpoint
         from pagedweight.planner.calibration import APIdentity
 
-        self.dir = resolve_ap_dir(ap_dir)
-        manifest = json.loads((self.dir / "manifest.json").read_text())
-        self.ckpt = APCheckpoint.open(self.dir)
-        model = manifest["model"]
-        self.identity = APIdentity(manifest["table_kind"], int(manifest["bits_min"]), int(manifest["bits_max"]),
-                                   str(model["config_sha256"]))
-        adapter = adapter_for({"model_type": model["model_type"]})
-        self._names: dict[tuple[int, int, str], str] = {}
-        for name in manifest["tensors"]:
-            key = adapter.classify(name + ".weight")
-            if isinstance(key, BlockKey) and isinstance(key.expert, int):
-                self._names[(key.layer, key.expert, key.proj)] = name
+        self.ckpt = APCheckpoint.open(ap_dir)
+        self.dir = self.ckpt.directory
+        self.identity = APIdentity(self.ckpt.table_kind, self.ckpt.bits_min, self.ckpt.bits_max,
+                                   self.ckpt.model.config_sha256)
         self._planes_cache: tuple[str, torch.Tensor] | None = None
 
     def block_name(self, layer: int, expert: int, proj: str) -> str:
-        try:
-            return self._names[(layer, expert, proj)]
-        except KeyError:
-            raise ValueError(f"the AP checkpoint {self.dir} has no block for layer {layer} expert {expert} {proj}; "
-                             "was it converted from this model?") from None
+        return self.ckpt.name_of(layer, expert, proj)
 
     def spec(self, name: str) -> BlockSpec:
         return self.ckpt.spec(name)
@@ -73,15 +52,6 @@ class CheckpointBlocks:
         spec = self.spec(name)
         planes = self._planes_cache[1]
         return dequantize(planes[:bits], self.ckpt.table(name, bits), bits, spec.table_kind, spec.group_size)
-
-
-def _check_model_matches(model, blocks: CheckpointBlocks, model_dir: Path) -> None:
-    manifest = json.loads((blocks.dir / "manifest.json").read_text())["model"]
-    cfg = model.config
-    for key, value in (("num_hidden_layers", cfg.num_hidden_layers), ("hidden_size", cfg.hidden_size)):
-        if key in manifest and manifest[key] != value:
-            raise ValueError(f"--model {model_dir} has {key}={value}, the AP checkpoint {blocks.dir} was made for "
-                             f"{manifest[key]}: pass the model it was converted from")
 
 
 def run_calibrate(model_dir: str, ap_dir: str, text_file: str, out: str | None = None,
@@ -107,7 +77,8 @@ def run_calibrate(model_dir: str, ap_dir: str, text_file: str, out: str | None =
     if missing:
         raise ValueError(f"--model {model_dir} lacks expert weights ({missing[0]}, ...); pass the original Hugging "
                          "Face model, not the AP checkpoint directory")
-    _check_model_matches(model, blocks, model_path)
+    # refuse an AP checkpoint converted from another model (compares the shape-fixing config keys)
+    blocks.ckpt.check_model_config(json.loads((model_path / "config.json").read_text()))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     data = calibrate_model(model, tokenizer, blocks, text, options,
                            source={"text": str(text_path), "model": str(model_path)}, progress=progress)
@@ -136,10 +107,17 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    from pagedweight.format.manifest import APCheckpointError
+    from pagedweight.planner.calibration import CalibrationError
     from pagedweight.planner.calibration_stats import CalibrateOptions
 
-    options = CalibrateOptions(tokens=args.tokens, prompt_tokens=args.prompt_tokens, hot_fraction=args.hot_fraction,
-                               cold_fraction=args.cold_fraction)
-    path = run_calibrate(args.model, args.ap, args.text, args.out, options)
-    print(f"wrote {path}")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        options = CalibrateOptions(tokens=args.tokens, prompt_tokens=args.prompt_tokens,
+                                   hot_fraction=args.hot_fraction, cold_fraction=args.cold_fraction)
+        path = run_calibrate(args.model, args.ap, args.text, args.out, options)
+    except (APCheckpointError, CalibrationError, FileNotFoundError, ValueError) as exc:
+        print(f"pagedweight calibrate: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote calibration to {path}")
     return 0
