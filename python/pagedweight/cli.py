@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 COMMAND_MODULES: tuple[str, ...] = (
     "pagedweight.tiny_model",  # make-tiny
+    "pagedweight.convert",  # convert
 )
 
 

@@ -1,0 +1,375 @@
+"""`pagedweight convert`: Hugging Face MoE checkpoint -> AP checkpoint (docs/format.md, "Converter").
+
+Every routed and shared expert linear (gate, up, down) is quantized to bit-planes + per-bitwidth tables;
+everything else is copied unchanged into the output's top-level safetensors, so the output directory is a
+complete model SGLang can serve (`--model-path OUT`). The source is read one safetensors shard at a time.
+The output is built in OUT.partial-<pid> and renamed to OUT only when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from pagedweight.format.arch import EXPERT_NAME_HINTS, PROJS, SHARED, ArchAdapter, BlockKey, adapter_for, block_name
+from pagedweight.format.checkpoint import APCheckpointWriter
+from pagedweight.format.layout import TABLE_KINDS
+from pagedweight.format.manifest import AP_SUBDIR, ModelInfo
+from pagedweight.format.quantize import effective_group_size, quantize_block
+
+logger = logging.getLogger(__name__)
+
+# Top-level files of the source that are weights (never copied); every other top-level file
+# (config, tokenizer, generation config, chat template, README, ...) is copied as is.
+_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth",
+                    ".gguf", ".h5", ".msgpack", ".ckpt")
+
+
+class ConversionError(ValueError):
+    """Bad converter input; the message names the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    table_kind: str = "bcq"
+    bits_min: int = 2
+    bits_max: int = 8
+    group_size: int = 128
+    calib_text: Path | None = None
+    calib_tokens: int = 512
+    seed: int = 0  # picks the calibration windows when the text is longer than calib_tokens
+    standalone_ap_dir: bool = False
+    force: bool = False
+    max_shard_bytes: int = 1 << 30
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.table_kind not in TABLE_KINDS:
+            raise ConversionError(f"--table-kind must be one of {TABLE_KINDS}, got {self.table_kind!r}")
+        if not 1 <= self.bits_min <= self.bits_max <= 8:
+            raise ConversionError(
+                f"need 1 <= --bits-min <= --bits-max <= 8, got --bits-min {self.bits_min} --bits-max {self.bits_max}"
+            )
+        if self.group_size <= 0 or self.group_size & (self.group_size - 1):
+            raise ConversionError(f"--group-size must be a positive power of two, got {self.group_size}")
+        if self.calib_tokens <= 0:
+            raise ConversionError(f"--calib-tokens must be positive, got {self.calib_tokens}")
+        if self.calib_text is not None and not Path(self.calib_text).is_file():
+            raise ConversionError(f"--calib-text {self.calib_text} is not a file")
+        if self.max_shard_bytes <= 0:
+            raise ConversionError(f"max_shard_bytes must be positive, got {self.max_shard_bytes}")
+
+
+@dataclass
+class SourceModel:
+    """A scanned HF model directory: config, shards, and which tensors are expert blocks."""
+
+    model_dir: Path
+    config: dict[str, Any]
+    adapter: ArchAdapter
+    shards: list[Path]
+    shard_of: dict[str, Path]  # tensor name -> shard file
+    experts: dict[str, BlockKey]  # HF weight name -> block key
+
+    @classmethod
+    def scan(cls, model_dir: str | Path) -> SourceModel:
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise ConversionError(f"--model {model_dir} is not a directory; pass a Hugging Face model folder")
+        config_path = model_dir / "config.json"
+        if not config_path.is_file():
+            raise ConversionError(f"{model_dir} has no config.json; pass a Hugging Face model folder")
+        try:
+            config = json.loads(config_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConversionError(f"{config_path} is not valid JSON ({exc})") from exc
+        try:
+            adapter = adapter_for(config)
+            adapter.num_experts(config)
+        except ValueError as exc:
+            raise ConversionError(f"{config_path}: {exc}") from exc
+        shards = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
+        if not shards:
+            other = [p.name for p in model_dir.iterdir() if p.name.endswith((".bin", ".pt", ".pth", ".gguf"))]
+            hint = f" (found {other[:3]}: re-save the model with save_pretrained(safe_serialization=True))" if other else ""
+            raise ConversionError(f"{model_dir} has no *.safetensors weight files{hint}")
+        shard_of: dict[str, Path] = {}
+        for shard in shards:
+            try:
+                with safe_open(str(shard), framework="pt") as f:
+                    names = list(f.keys())
+            except Exception as exc:
+                raise ConversionError(f"{shard} is not a readable safetensors file ({exc})") from exc
+            for name in names:
+                if name in shard_of:
+                    raise ConversionError(f"tensor {name!r} appears in both {shard_of[name].name} and {shard.name}")
+                shard_of[name] = shard
+        source = cls(model_dir, config, adapter, shards, shard_of, {})
+        source._classify()
+        return source
+
+    def _classify(self) -> None:
+        unknown = []
+        for name in self.shard_of:
+            key = self.adapter.classify(name)
+            if key is not None:
+                self.experts[name] = key
+            elif any(hint in name for hint in EXPERT_NAME_HINTS) and name.endswith(("weight", "_proj")):
+                unknown.append(name)
+        if unknown:
+            raise ConversionError(
+                f"{self.model_dir}: expert tensors in an unsupported layout, e.g. {unknown[0]!r} "
+                f"({len(unknown)} in all); the {self.adapter.model_type} adapter expects per-expert 2-D weights "
+                "such as " + self.adapter.routed.pattern
+            )
+        if not self.experts:
+            raise ConversionError(
+                f"{self.model_dir}: no MoE expert weights found (model_type {self.adapter.model_type}); "
+                "the AP converter only converts models with MoE layers"
+            )
+        self._check_complete()
+
+    def _check_complete(self) -> None:
+        num_experts = self.adapter.num_experts(self.config)
+        num_layers = int(self.config.get("num_hidden_layers", 0))
+        present = set(self.experts.values())
+        for layer in sorted({k.layer for k in present}):
+            if layer >= num_layers:
+                raise ConversionError(f"expert tensors for layer {layer}, but config.json has {num_layers} layers")
+            wanted = [BlockKey(layer, e, p) for e in range(num_experts) for p in PROJS]
+            if any(k.layer == layer and k.expert == SHARED for k in present):
+                wanted += [BlockKey(layer, SHARED, p) for p in PROJS]
+            missing = [k for k in wanted if k not in present]
+            if missing:
+                raise ConversionError(
+                    f"{self.model_dir}: layer {layer} lacks {len(missing)} expert weights, e.g. expert "
+                    f"{missing[0].expert} {missing[0].proj}; the checkpoint is incomplete (config says {num_experts} experts)"
+                )
+
+    def experts_of_layer(self) -> dict[int, list[int | str]]:
+        out: dict[int, set] = {}
+        for key in self.experts.values():
+            out.setdefault(key.layer, set()).add(key.expert)
+        return {layer: sorted(e, key=lambda x: BlockKey(layer, x, "gate").sort_key()) for layer, e in out.items()}
+
+    def read(self, name: str) -> torch.Tensor:
+        with safe_open(str(self.shard_of[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def name_of(self, key: BlockKey) -> str:
+        for name, k in self.experts.items():
+            if k == key:
+                return name
+        raise KeyError(key)
+
+
+def _router_name(source: SourceModel, layer: int) -> str:
+    candidates = [f"model.layers.{layer}.mlp.gate.weight", f"model.layers.{layer}.block_sparse_moe.gate.weight"]
+    for name in candidates:
+        if name in source.shard_of:
+            return name
+    raise ConversionError(f"{source.model_dir}: no router weight for layer {layer} (looked for {candidates})")
+
+
+def _calibrate(source: SourceModel, opts: ConvertOptions):
+    from pagedweight.format.hessian import HessianStats, collect_moe_inputs, expert_hessians
+
+    act = source.config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConversionError(f"calibration assumes SiLU-gated experts, the model uses hidden_act={act!r}")
+    top_k = source.config.get("num_experts_per_tok")
+    if not isinstance(top_k, int):
+        raise ConversionError("config.json has no integer num_experts_per_tok; cannot recompute routing")
+    text = Path(opts.calib_text).read_text(encoding="utf-8", errors="replace")  # type: ignore[arg-type]
+    experts_of_layer = source.experts_of_layer()
+    inputs, used = collect_moe_inputs(source.model_dir, text, opts.calib_tokens, opts.seed, sorted(experts_of_layer))
+    expert_names = {k: n for n, k in source.experts.items()}
+    hessian, counts = expert_hessians(
+        inputs,
+        top_k,
+        router=lambda layer: source.read(_router_name(source, layer)),
+        expert_weight=lambda key: source.read(expert_names[key]),
+        experts_of_layer=experts_of_layer,
+    )
+    return HessianStats(Path(opts.calib_text).name, used, hessian, counts)  # type: ignore[arg-type]
+
+
+def _prepare_output(model_dir: Path, out: Path, force: bool) -> Path:
+    out = out.absolute()
+    if out.exists() and not out.is_dir():
+        raise ConversionError(f"--out {out} exists and is not a directory")
+    src = model_dir.resolve()
+    if out.exists() and (out.resolve() == src or out.resolve() in src.parents):
+        raise ConversionError(f"--out {out} is (or contains) the source model; choose another output directory")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise ConversionError(f"--out {out} exists and is not empty; pass --force to replace it")
+    partial = out.parent / f"{out.name}.partial-{os.getpid()}"
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    return partial
+
+
+def _write_dense(partial: Path, parts: list[dict[str, torch.Tensor]]) -> None:
+    """Non-expert tensors: model.safetensors, or HF-style shards + index when there are several parts."""
+    parts = [p for p in parts if p]
+    if len(parts) == 1:
+        save_file(parts[0], str(partial / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map, total = {}, 0
+    for i, part in enumerate(parts):
+        file = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+        save_file(part, str(partial / file), metadata={"format": "pt"})
+        for name, tensor in part.items():
+            weight_map[name] = file
+            total += tensor.numel() * tensor.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _copy_side_files(model_dir: Path, partial: Path) -> None:
+    for path in sorted(model_dir.iterdir()):
+        if path.is_file() and not path.name.startswith(".") and not path.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copyfile(path, partial / path.name)
+
+
+def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, **options: Any) -> Path:
+    """Convert the HF MoE model in `model_dir` to an AP checkpoint at `out_dir`; return `out_dir`.
+
+    Options are the fields of ConvertOptions (table_kind, bits_min, bits_max, group_size, calib_text,
+    calib_tokens, seed, standalone_ap_dir, force, max_shard_bytes, progress).
+    """
+    known = {f.name for f in fields(ConvertOptions)}
+    if unknown := sorted(set(options) - known):
+        raise ConversionError(f"unknown conversion option(s) {unknown}; valid: {sorted(known)}")
+    opts = ConvertOptions(**options)
+    opts.validate()
+    model_dir, out = Path(model_dir), Path(out_dir)
+    source = SourceModel.scan(model_dir)
+    for name, key in source.experts.items():
+        with safe_open(str(source.shard_of[name]), framework="pt") as f:
+            shape = f.get_slice(name).get_shape()
+        if len(shape) != 2 or shape[1] % 8:
+            raise ConversionError(f"{name}: shape {shape}; AP blocks need 2-D weights with in_features % 8 == 0")
+        if opts.table_kind == "bcq":
+            try:
+                effective_group_size(shape[1], opts.group_size)
+            except ValueError as exc:
+                raise ConversionError(f"{name}: {exc}") from exc
+
+    partial = _prepare_output(model_dir, out, opts.force)
+    try:
+        _convert_into(source, partial, opts)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return out
+
+
+def _convert_into(source: SourceModel, partial: Path, opts: ConvertOptions) -> None:
+    stats = _calibrate(source, opts) if opts.calib_text is not None else None
+    if stats is not None:
+        missing = stats.uncalibrated(list(source.experts.values()))
+        if missing:
+            logger.warning(
+                "%d of %d expert blocks received no calibration tokens and use uniform weights", len(missing),
+                len(source.experts),
+            )
+    calibration = None if stats is None else {"source": stats.source, "num_tokens": stats.num_tokens}
+    writer = APCheckpointWriter(
+        partial / AP_SUBDIR,
+        table_kind=opts.table_kind,
+        bits_min=opts.bits_min,
+        bits_max=opts.bits_max,
+        group_size=opts.group_size,
+        model=ModelInfo.from_config(source.config),
+        calibration=calibration,
+        seed=opts.seed,
+        max_shard_bytes=opts.max_shard_bytes,
+    )
+    dense_parts: list[dict[str, torch.Tensor]] = []
+    sse = {b: 0.0 for b in range(opts.bits_min, opts.bits_max + 1)}
+    energy = 0.0
+    with tqdm(total=len(source.experts), desc=f"quantize experts ({opts.table_kind})", unit="block",
+              disable=not opts.progress) as bar:
+        for shard in source.shards:
+            dense: dict[str, torch.Tensor] = {}
+            with safe_open(str(shard), framework="pt") as f:
+                for name in sorted(f.keys()):
+                    key = source.experts.get(name)
+                    if key is None or key.expert == SHARED:
+                        # Shared experts are quantized too, but SGLang serves them as dense layers, so their
+                        # bf16 weights also stay in the servable model.
+                        if not opts.standalone_ap_dir:
+                            dense[name] = f.get_tensor(name)
+                        if key is None:
+                            continue
+                    weight = f.get_tensor(name).float()
+                    hessian = None if stats is None else stats.hessian.get(key)
+                    block = quantize_block(weight, opts.table_kind, opts.bits_min, opts.bits_max, opts.group_size, hessian)
+                    writer.add(block_name(name), key, block)
+                    for b, value in block.fit_sse.items():
+                        sse[b] += value
+                    energy += float(weight.double().square().sum())
+                    bar.update(1)
+            dense_parts.append(dense)
+    writer.finish(progress=opts.progress)
+    if not opts.standalone_ap_dir:
+        _write_dense(partial, dense_parts)
+        _copy_side_files(source.model_dir, partial)
+    if energy > 0:
+        logger.info(
+            "relative squared error per bitwidth: %s",
+            ", ".join(f"{b}: {value / energy:.2e}" for b, value in sse.items()),
+        )
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("convert", help="convert a Hugging Face MoE checkpoint to an AP checkpoint")
+    parser.add_argument("--model", required=True, type=Path, help="Hugging Face model directory (safetensors)")
+    parser.add_argument("--out", required=True, type=Path, help="output directory (must not exist or be empty)")
+    parser.add_argument("--table-kind", choices=TABLE_KINDS, default="bcq",
+                        help="bcq: binary-coded planes + scales (default); kmeans: Any-Precision LLM LUTs")
+    parser.add_argument("--bits-min", type=int, default=2, help="seed bitwidth (lowest servable), default 2")
+    parser.add_argument("--bits-max", type=int, default=8, help="parent bitwidth (planes stored), default 8")
+    parser.add_argument("--group-size", type=int, default=128,
+                        help="bcq input group size (power of two; clipped to in_features), default 128")
+    parser.add_argument("--calib-text", type=Path, default=None,
+                        help="UTF-8 text file for Hessian-weighted fitting (default: uniform weights)")
+    parser.add_argument("--calib-tokens", type=int, default=512, help="calibration tokens, default 512")
+    parser.add_argument("--seed", type=int, default=0, help="selects calibration windows; recorded in the manifest")
+    parser.add_argument("--standalone-ap-dir", action="store_true",
+                        help="write only OUT/pagedweight/ (serve with --model-path HF_DIR --paged-weight-path OUT)")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    parser.set_defaults(func=_run_cli)
+
+
+def _run_cli(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        out = convert_checkpoint(
+            args.model, args.out, table_kind=args.table_kind, bits_min=args.bits_min, bits_max=args.bits_max,
+            group_size=args.group_size, calib_text=args.calib_text, calib_tokens=args.calib_tokens, seed=args.seed,
+            standalone_ap_dir=args.standalone_ap_dir, force=args.force,
+        )
+    except ConversionError as exc:
+        print(f"pagedweight convert: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote AP checkpoint to {out}")
+    return 0

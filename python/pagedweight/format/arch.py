@@ -1,0 +1,111 @@
+"""Architecture adapters: Hugging Face expert tensor names <-> (layer, expert, proj) block keys.
+
+The runtime addresses blocks as "layer 3, expert 5, gate" and never needs HF names; the converter and the
+checkpoint reader translate through the adapter of the model's `model_type`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal, Union
+
+Proj = Literal["gate", "up", "down"]
+PROJS: tuple[str, ...] = ("gate", "up", "down")
+SHARED = "shared"
+ExpertId = Union[int, str]  # routed expert index, or SHARED
+
+
+@dataclass(frozen=True, order=True)
+class BlockKey:
+    """One linear block: a routed expert (expert = index) or the shared expert (expert = "shared")."""
+
+    layer: int
+    expert: ExpertId
+    proj: str
+
+    def __post_init__(self) -> None:
+        if self.proj not in PROJS:
+            raise ValueError(f"proj must be one of {PROJS}, got {self.proj!r}")
+        if not (isinstance(self.expert, int) or self.expert == SHARED):
+            raise ValueError(f"expert must be an index or {SHARED!r}, got {self.expert!r}")
+
+    def sort_key(self) -> tuple[int, int, int]:
+        # Shared expert after the routed ones.
+        expert = self.expert if isinstance(self.expert, int) else 1 << 30
+        return (self.layer, expert, PROJS.index(self.proj))
+
+
+@dataclass(frozen=True)
+class ArchAdapter:
+    """Name patterns of one model family's expert linears (each pattern matches the HF weight name)."""
+
+    model_type: str
+    routed: re.Pattern  # groups: layer, expert, proj name
+    shared: re.Pattern | None  # groups: layer, proj name
+    proj_names: dict[str, str]  # HF proj name -> gate/up/down
+    num_experts_keys: tuple[str, ...]  # config keys that hold the routed expert count
+
+    def classify(self, hf_name: str) -> BlockKey | None:
+        """BlockKey of an expert linear weight name, None for every other tensor."""
+        m = self.routed.fullmatch(hf_name)
+        if m:
+            return BlockKey(int(m[1]), int(m[2]), self.proj_names[m[3]])
+        if self.shared is not None:
+            m = self.shared.fullmatch(hf_name)
+            if m:
+                return BlockKey(int(m[1]), SHARED, self.proj_names[m[2]])
+        return None
+
+    def num_experts(self, config: dict) -> int:
+        for key in self.num_experts_keys:
+            if isinstance(config.get(key), int):
+                return config[key]
+        raise ValueError(f"config.json of this {self.model_type} model has none of {self.num_experts_keys}")
+
+
+_QWEN_PROJS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+ADAPTERS: dict[str, ArchAdapter] = {
+    "qwen2_moe": ArchAdapter(
+        "qwen2_moe",
+        re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight"),
+        re.compile(r"model\.layers\.(\d+)\.mlp\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight"),
+        _QWEN_PROJS,
+        ("num_experts",),
+    ),
+    "qwen3_moe": ArchAdapter(
+        "qwen3_moe",
+        re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight"),
+        None,
+        _QWEN_PROJS,
+        ("num_experts", "num_local_experts"),
+    ),
+    "mixtral": ArchAdapter(
+        "mixtral",
+        re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight"),
+        None,
+        {"w1": "gate", "w3": "up", "w2": "down"},
+        ("num_local_experts",),
+    ),
+}
+
+# Tensors under these name fragments are expert weights; one that no adapter pattern matches (e.g. the
+# fused 3-D `experts.gate_up_proj` of some exporters) must not be silently copied as a dense tensor.
+EXPERT_NAME_HINTS: tuple[str, ...] = (".experts.", ".shared_expert.")
+
+
+def adapter_for(config: dict) -> ArchAdapter:
+    """The adapter for a HF config dict; ValueError naming the supported types otherwise."""
+    model_type = config.get("model_type")
+    if model_type not in ADAPTERS:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported by the AP converter; supported MoE types: "
+            f"{', '.join(sorted(ADAPTERS))}"
+        )
+    return ADAPTERS[model_type]
+
+
+def block_name(hf_weight_name: str) -> str:
+    """AP tensor name of a block: the HF weight name without '.weight' (docs/format.md)."""
+    return hf_weight_name.removesuffix(".weight")

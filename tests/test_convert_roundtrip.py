@@ -1,0 +1,205 @@
+"""Converter round trip on tiny Qwen2-MoE and Mixtral models, both table kinds, plus calibration."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pagedweight.cli import main as cli_main
+from pagedweight.convert import convert_checkpoint
+from pagedweight.format.arch import ADAPTERS, PROJS, SHARED, BlockKey
+from pagedweight.format.block import weighted_error
+from pagedweight.format.checkpoint import APCheckpoint
+from pagedweight.format.hessian import calibration_windows, collect_moe_inputs, expert_hessians
+from pagedweight.format.layout import codes_from_planes
+from pagedweight.tiny_model import TINY_CORPUS, TinyMoESizes, make_tiny_moe
+
+SIZES = TinyMoESizes(num_layers=2, num_experts=4, vocab_size=320, moe_intermediate_size=64)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("src")
+    return {arch: make_tiny_moe(root / arch, arch, seed=1, sizes=SIZES) for arch in ("qwen2_moe", "mixtral")}
+
+
+@pytest.fixture(scope="module")
+def converted(models, tmp_path_factory) -> dict[tuple[str, str], Path]:
+    root = tmp_path_factory.mktemp("ap")
+    return {
+        (arch, kind): convert_checkpoint(models[arch], root / f"{arch}-{kind}", table_kind=kind, progress=False)
+        for arch in models
+        for kind in ("bcq", "kmeans")
+    }
+
+
+def _tree_digest(directory: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["bcq", "kmeans"])
+def test_round_trip(models, converted, arch, kind):
+    src_dir, out = models[arch], converted[(arch, kind)]
+    source = load_file(str(src_dir / "model.safetensors"))
+    adapter = ADAPTERS[arch]
+    expert_names = {n: adapter.classify(n) for n in source if adapter.classify(n) is not None}
+    expected_keys = {BlockKey(l, e, p) for l in range(2) for e in range(4) for p in PROJS}
+    if arch == "qwen2_moe":
+        expected_keys |= {BlockKey(l, SHARED, p) for l in range(2) for p in PROJS}
+    assert set(expert_names.values()) == expected_keys
+
+    ckpt = APCheckpoint.open(out)
+    ckpt.verify(deep=True, progress=False)
+    ckpt.check_model_config(json.loads((src_dir / "config.json").read_text()))
+    assert ckpt.table_kind == kind and list(ckpt.bitwidths) == list(range(2, 9))
+    assert set(ckpt.blocks()) == expected_keys
+    for hf_name, key in expert_names.items():
+        name = ckpt.name_of(key.layer, key.expert, key.proj)
+        assert name == hf_name.removesuffix(".weight")
+        w = source[hf_name].float()
+        block = ckpt.block(name)
+        assert (block.spec.out_features, block.spec.in_features) == tuple(w.shape)
+        errors = [weighted_error(w, block.dequantize(b)) for b in ckpt.bitwidths]
+        assert all(a >= b for a, b in zip(errors, errors[1:])), (name, errors)
+        rel8 = errors[-1] / w.square().sum().item()
+        assert rel8 < (2e-3 if kind == "bcq" else 1e-4), (name, rel8)
+        assert errors[0] / w.square().sum().item() < 0.2  # the 2-bit seed is a real fit
+        # Prefix property: the first b stored planes are the b-bit model's planes.
+        assert torch.equal(ckpt.planes(name, 3), block.planes[:3])
+        if kind == "kmeans":
+            assert torch.equal(codes_from_planes(block.planes, 3), codes_from_planes(block.planes, 8) >> 5)
+
+    # Top level: a complete model without the routed expert tensors (SGLang serves shared experts as dense
+    # layers, so their bf16 weights stay), every other tensor unchanged, side files copied.
+    dense = load_file(str(out / "model.safetensors"))
+    routed = {n for n, key in expert_names.items() if key.expert != SHARED}
+    assert set(dense) == set(source) - routed
+    assert all(torch.equal(dense[n], source[n]) for n in dense)
+    for side in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / side).read_bytes() == (src_dir / side).read_bytes()
+    assert not list(out.parent.glob(f"{out.name}.partial-*"))
+
+
+def test_conversion_is_deterministic(models, converted, tmp_path):
+    again = convert_checkpoint(models["mixtral"], tmp_path / "again", table_kind="kmeans", progress=False)
+    assert _tree_digest(again) == _tree_digest(converted[("mixtral", "kmeans")])
+    other = convert_checkpoint(models["mixtral"], tmp_path / "b3", table_kind="kmeans", bits_min=3, progress=False)
+    assert _tree_digest(other)["pagedweight/manifest.json"] != _tree_digest(again)["pagedweight/manifest.json"]
+
+
+def test_standalone_ap_dir_and_sharding(models, tmp_path):
+    out = convert_checkpoint(
+        models["qwen2_moe"], tmp_path / "sa", standalone_ap_dir=True, bits_min=3, bits_max=6,
+        group_size=32, max_shard_bytes=20_000, progress=False,
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["pagedweight"]
+    ckpt = APCheckpoint.open(out / "pagedweight")
+    assert len(ckpt.manifest.files) > 1 and list(ckpt.bitwidths) == [3, 4, 5, 6]
+    assert {e.group_size for e in ckpt.manifest.tensors.values()} == {32}
+    ckpt.verify(deep=True, progress=False)
+
+
+def test_calibration_windows_are_seeded_and_bounded():
+    ids = list(range(1000))
+    a = calibration_windows(ids, 300, 100, seed=0)
+    assert sum(map(len, a)) == 300 and all(len(w) == 100 for w in a)
+    assert a == calibration_windows(ids, 300, 100, seed=0)
+    assert a != calibration_windows(ids, 300, 100, seed=1)
+    assert sum(map(len, calibration_windows(ids[:50], 300, 100, seed=0))) == 50
+
+
+def test_captured_inputs_are_the_moe_block_inputs(models):
+    """The pre-hook captures what the MoE block consumes: feeding it back reproduces the block output."""
+    from transformers import AutoModelForCausalLM
+
+    inputs, used = collect_moe_inputs(models["qwen2_moe"], TINY_CORPUS, 40, seed=0, layers=[0, 1], window=20)
+    assert used == 40 and inputs[1].shape == (40, SIZES.hidden_size)
+    model = AutoModelForCausalLM.from_pretrained(models["qwen2_moe"], dtype=torch.float32).eval()
+    outputs = []
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda m, a, out: outputs.append(out))
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(models["qwen2_moe"])(TINY_CORPUS, add_special_tokens=False).input_ids
+    with torch.no_grad():
+        for window in calibration_windows(ids, 40, 20, seed=0):
+            model(torch.tensor([window]))
+        handle.remove()
+        replay = model.model.layers[1].mlp(inputs[1].view(1, 40, -1))
+    replay = replay[0] if isinstance(replay, tuple) else replay
+    captured = torch.cat([o[0] if isinstance(o, tuple) else o for o in outputs], dim=1)
+    assert torch.allclose(replay.view(40, -1), captured.view(40, -1), atol=1e-5)
+
+
+def test_expert_hessians_match_direct_computation():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 16, generator=g)
+    router = torch.randn(3, 16, generator=g)
+    weights = {BlockKey(0, e, p): torch.randn(8, 16, generator=g) for e in (0, 1, 2, SHARED) for p in ("gate", "up")}
+    hessian, counts = expert_hessians(
+        {0: x}, 2, router=lambda layer: router, expert_weight=lambda key: weights[key],
+        experts_of_layer={0: [0, 1, 2, SHARED]},
+    )
+    top2 = (x @ router.T).topk(2).indices
+    for e in (0, 1, 2):
+        routed = x[[t for t in range(50) if e in top2[t].tolist()]]
+        assert counts[BlockKey(0, e, "down")] == len(routed)
+        assert torch.allclose(hessian[BlockKey(0, e, "gate")], routed.square().mean(0))
+        act = torch.nn.functional.silu(routed @ weights[BlockKey(0, e, "gate")].T) * (routed @ weights[BlockKey(0, e, "up")].T)
+        assert torch.allclose(hessian[BlockKey(0, e, "down")], act.square().mean(0))
+    assert counts[BlockKey(0, SHARED, "up")] == 50
+    assert torch.allclose(hessian[BlockKey(0, SHARED, "up")], x.square().mean(0))
+
+
+@pytest.mark.parametrize("kind", ["bcq", "kmeans"])
+def test_calibrated_conversion_lowers_hessian_weighted_seed_error(models, converted, tmp_path, kind):
+    text = tmp_path / "calib.txt"
+    text.write_text(TINY_CORPUS * 3)
+    out = convert_checkpoint(
+        models["qwen2_moe"], tmp_path / "cal", table_kind=kind, calib_text=text, calib_tokens=200, progress=False
+    )
+    calibrated, plain = APCheckpoint.open(out), APCheckpoint.open(converted[("qwen2_moe", kind)])
+    assert calibrated.manifest.calibration == {"source": "calib.txt", "num_tokens": 200}
+    # Score both with the activation statistics of the same text: the calibrated fit must win at the
+    # seed bitwidth (where the weighting matters most) in aggregate over all expert blocks.
+    inputs, _ = collect_moe_inputs(models["qwen2_moe"], text.read_text(), 200, 0, [0, 1])
+    source = load_file(str(models["qwen2_moe"] / "model.safetensors"))
+    weights = {calibrated.manifest.tensors[n].key: source[f"{n}.weight"] for n in calibrated.names()}
+    hessian, _ = expert_hessians(
+        inputs, SIZES.top_k, router=lambda layer: source[f"model.layers.{layer}.mlp.gate.weight"],
+        expert_weight=weights.__getitem__, experts_of_layer={l: calibrated.experts(l) for l in (0, 1)},
+    )
+    total_cal = total_plain = 0.0
+    for name in calibrated.names():
+        key = calibrated.manifest.tensors[name].key
+        w = weights[key].float()
+        total_cal += weighted_error(w, calibrated.block(name).dequantize(2), hessian[key])
+        total_plain += weighted_error(w, plain.block(name).dequantize(2), hessian[key])
+    assert total_cal < 0.99 * total_plain
+
+
+def test_cli_convert(models, tmp_path, capsys):
+    out = tmp_path / "cli"
+    assert cli_main(["convert", "--model", str(models["mixtral"]), "--out", str(out), "--table-kind", "kmeans",
+                     "--bits-min", "3", "--bits-max", "4"]) == 0
+    assert "wrote AP checkpoint" in capsys.readouterr().out
+    assert list(APCheckpoint.open(out).bitwidths) == [3, 4]
+    assert cli_main(["convert", "--model", str(models["mixtral"]), "--out", str(out)]) == 2
+    assert "not empty; pass --force" in capsys.readouterr().err
