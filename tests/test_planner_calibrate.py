@@ -172,14 +172,9 @@ def converted(tmp_path_factory):
 
 
 def _cli(argv):
-    import argparse
+    from pagedweight.cli import main
 
-    from pagedweight.calibrate import register_cli
-
-    parser = argparse.ArgumentParser(prog="pagedweight")
-    register_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return main(argv)
 
 
 def test_calibrate_cli_end_to_end(converted, capsys):

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 COMMAND_MODULES: tuple[str, ...] = (
     "pagedweight.tiny_model",  # make-tiny
     "pagedweight.convert",  # convert
+    "pagedweight.calibrate",  # calibrate
 )
 
 
