@@ -411,3 +411,26 @@ def test_make_policy(tmp_path):
         make_policy("hotness", options={"alpah": 1})
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("fastest")
+
+
+def test_policies_on_the_runtime_page_table():
+    from pagedweight.runtime.page_table import WeightPageTable
+
+    blocks = [(BlockKey(l, e, p), SPEC_BIG if p == "w13" else SPEC_SMALL)
+              for l in range(2) for e in range(3) for p in ("w13", "w2")]
+    table = WeightPageTable(blocks, initial_bits=4)
+    calib = make_calib(2, 3, mass=np.array([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6]]))
+    counts = Observation(now_s=0.0, routing_counts={(l, e): float(10 * (l + e + 1)) for l in range(2) for e in range(3)})
+    for pol in (QualityPolicy(calib), HotnessPolicy(), StaticPolicy()):
+        before = {r.block_id: r.desired_bits for r in table}
+        plan = pol.plan(table, 2000, counts)
+        validate_plan(table, plan, "offload")
+        if not isinstance(pol, StaticPolicy):
+            assert plan_bytes_delta(table, plan) >= 2000
+        for s in plan.steps:
+            table.set_desired(s.block_id, s.target_bits)
+        plan = pol.plan_reload(table, 1000, counts)
+        validate_plan(table, plan, "reload")
+        assert -plan_bytes_delta(table, plan) <= 1000
+        for bid, bits in before.items():
+            table.set_desired(bid, bits)
