@@ -37,8 +37,15 @@ def load_model_after(result, model_runner, *args, **kwargs):
     return result
 
 
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def summary_line(stores: list) -> str:
-    gib = 1024**3
     resident = sum(s.resident_bytes() for s in stores)
     bf16 = sum(s.bf16_bytes() for s in stores)
     blocks = sum(s.w13.num_experts + s.w2.num_experts for s in stores)
@@ -46,8 +53,8 @@ def summary_line(stores: list) -> str:
     host = sum(s.w13.host_bytes() + s.w2.host_bytes() for s in stores)
     return (
         f"PagedWeight: {len(stores)} MoE layers, {blocks} expert blocks at {'/'.join(map(str, bits))} bits; "
-        f"expert weights on device {resident / gib:.3f} GiB (bf16 would be {bf16 / gib:.3f} GiB, "
-        f"{resident / max(bf16, 1):.1%}); parent planes in host memory {host / gib:.3f} GiB"
+        f"expert weights on device {format_bytes(resident)} (bf16 would be {format_bytes(bf16)}, "
+        f"{resident / max(bf16, 1):.1%}); parent planes in host memory {format_bytes(host)}"
     )
 
 
