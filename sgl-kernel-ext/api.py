@@ -1,0 +1,118 @@
+"""Public entry points: `ap_fused_moe` and `ap_linear`, dispatching CUDA -> Triton, CPU -> torch reference.
+
+Set `backend="triton"` to run the Triton kernels on CPU tensors (only under TRITON_INTERPRET=1, for
+tests); `backend="reference"` forces the torch oracle on any device. No path falls back silently: an
+unsupported combination raises.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal, Optional
+
+import torch
+
+from pagedweight.kernels.align import moe_align_block_size
+from pagedweight.kernels.config import APKernelConfig, default_linear_config, default_moe_configs
+from pagedweight.kernels.reference import ap_fused_moe_reference, ap_linear_reference, check_moe_args
+from pagedweight.kernels.weights import APMoEWeights
+
+Backend = Literal["auto", "triton", "reference"]
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _pick_backend(t: torch.Tensor, backend: Backend) -> str:
+    if backend == "reference":
+        return "reference"
+    if backend not in ("auto", "triton"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    if t.is_cuda:
+        return "triton"
+    if backend == "triton":
+        if not triton_interpreting():
+            raise RuntimeError("the Triton AP kernels run on CPU tensors only under TRITON_INTERPRET=1")
+        return "triton"
+    return "reference"
+
+
+def _group(w: APMoEWeights) -> Optional[int]:
+    return w.group_size if w.table_kind == "bcq" else None
+
+
+def ap_fused_moe(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: APMoEWeights,
+    w2: APMoEWeights,
+    *,
+    activation: str = "silu",
+    apply_router_weight_on_input: bool = False,
+    backend: Backend = "auto",
+    configs: Optional[tuple[APKernelConfig, APKernelConfig]] = None,
+    use_asm: Optional[bool] = None,
+) -> torch.Tensor:
+    """Routed MoE over AP experts: sum_s w[t,s] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t,s].
+
+    hidden [M, H] bf16/fp16/fp32, topk_weights [M, k] fp32, topk_ids [M, k] int32/int64 -> [M, H] in
+    hidden's dtype. Expert bitwidths, tables and planes are read from w13/w2's page tables at run time.
+    `configs` overrides the (w13, w2) launch configs; `use_asm` (default: on for CUDA) selects the
+    packed-half2 inline PTX (False runs the plain-Triton emulation of the same arithmetic).
+    """
+    check_moe_args(hidden, topk_weights, topk_ids, w13, w2, activation)
+    path = _pick_backend(hidden, backend)
+    if path == "reference":
+        return ap_fused_moe_reference(
+            hidden, topk_weights, topk_ids, w13, w2,
+            activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
+        )
+    from pagedweight.kernels.triton_moe import ap_fused_moe_triton
+
+    m, topk = topk_ids.shape
+    if configs is None:
+        sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count if hidden.is_cuda else 132
+        configs = default_moe_configs(
+            m, topk, w13.num_experts, w2.K, w2.N, (w13.K, _group(w13)), (w2.K, _group(w2)), num_sms=sms
+        )
+    if m == 0:
+        return torch.zeros_like(hidden)
+    align = moe_align_block_size(topk_ids, configs[0].block_m, w13.num_experts)
+    return ap_fused_moe_triton(
+        hidden.contiguous(), topk_weights.contiguous(), topk_ids, w13, w2, align, configs[0], configs[1],
+        apply_router_weight_on_input=apply_router_weight_on_input,
+        use_asm=hidden.is_cuda if use_asm is None else use_asm,
+    )
+
+
+def ap_linear(
+    x: torch.Tensor,
+    w: APMoEWeights,
+    *,
+    row: int = 0,
+    bias: Optional[torch.Tensor] = None,
+    backend: Backend = "auto",
+    config: Optional[APKernelConfig] = None,
+    use_asm: Optional[bool] = None,
+) -> torch.Tensor:
+    """y = x @ W^T (+ bias) for the AP block in page-table row `row` of `w` (x [M, K] -> [M, N])."""
+    if x.dim() != 2 or x.shape[1] != w.K:
+        raise ValueError(f"x must be [M, K={w.K}], got {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bf16/fp16/fp32, got {x.dtype}")
+    if not 0 <= row < w.num_experts:
+        raise ValueError(f"row {row} outside the page table's {w.num_experts} rows")
+    if bias is not None and tuple(bias.shape) != (w.N,):
+        raise ValueError(f"bias must be [N={w.N}], got {tuple(bias.shape)}")
+    path = _pick_backend(x, backend)
+    if path == "reference":
+        return ap_linear_reference(x, w, row=row, bias=bias)
+    from pagedweight.kernels.triton_linear import ap_linear_triton
+
+    if x.shape[0] == 0:
+        return x.new_zeros(0, w.N)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+    cfg = config or default_linear_config(x.shape[0], w.N, w.K, _group(w), num_sms=sms)
+    return ap_linear_triton(x.contiguous(), w, row, bias, cfg, use_asm=x.is_cuda if use_asm is None else use_asm)

@@ -1,0 +1,90 @@
+"""Launch configurations of the AP kernels and the default choice per problem size.
+
+The defaults come from the H200 measurements in docs/results/kernel.md (benchmark/kernel_bench.py
+sweeps the candidates); callers may pass their own `APKernelConfig` to override them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+
+
+@dataclass(frozen=True)
+class APKernelConfig:
+    block_m: int = 16  # (token, slot) pairs per block, all of one expert; >= 16 (tl.dot minimum)
+    block_n: int = 64  # output rows per block
+    block_k: int = 128  # inputs per step; divides K and, for bcq, the group size
+    split_k: int = 1  # w2 / linear only: K slices summed with float32 atomics
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        if self.block_k < 32:
+            raise ValueError(f"block_k must be >= 32 (one plane word), got {self.block_k}")
+        if self.split_k < 1:
+            raise ValueError(f"split_k must be >= 1, got {self.split_k}")
+
+
+def largest_block_k(k: int, group_size: int | None, cap: int = 128) -> int:
+    """Largest power-of-two block_k <= cap dividing K (and the bcq group size)."""
+    bk = cap
+    while bk > 32 and (k % bk or (group_size is not None and group_size % bk)):
+        bk //= 2
+    if k % bk:
+        raise ValueError(f"K={k} is not a multiple of 32")
+    return bk
+
+
+def block_m_for(num_pairs: int, num_experts: int) -> int:
+    """Pairs per block from the mean pairs per expert: decode pads to 16, prefill amortizes tile rebuilds."""
+    per_expert = num_pairs / max(num_experts, 1)
+    if per_expert <= 16:
+        return 16
+    if per_expert <= 48:
+        return 32
+    if per_expert <= 192:
+        return 64
+    return 128
+
+
+def split_k_for(blocks: int, k_tiles: int, num_sms: int) -> int:
+    """Enough K slices that the grid covers the GPU about twice (at most one slice per K tile)."""
+    split = 1
+    while blocks * split < 2 * num_sms and split * 2 <= k_tiles:
+        split *= 2
+    return split
+
+
+def default_moe_configs(
+    num_tokens: int, topk: int, num_experts: int, inter: int, hidden: int,
+    k13: tuple[int, int | None], k2: tuple[int, int | None], num_sms: int = 132,
+) -> tuple[APKernelConfig, APKernelConfig]:
+    """(w13 config, w2 config). k13/k2 = (K, bcq group size or None)."""
+    pairs = num_tokens * topk
+    bm = block_m_for(pairs, num_experts)
+    experts_hit = min(num_experts, pairs)
+    m_blocks = max(1, min(triton.cdiv(pairs, bm), experts_hit) if bm == 16 else triton.cdiv(pairs, bm))
+    big = bm >= 64
+    bn13 = 128 if big else (64 if m_blocks * triton.cdiv(inter, 64) >= 2 * num_sms else 32)
+    bk13 = largest_block_k(*k13)
+    bk2 = largest_block_k(*k2)
+    bn2 = 128 if big else 64
+    split = split_k_for(m_blocks * triton.cdiv(hidden, bn2), k2[0] // bk2, num_sms)
+    warps = 8 if big else 4
+    cfg13 = APKernelConfig(block_m=bm, block_n=bn13, block_k=bk13, num_warps=warps, num_stages=2)
+    cfg2 = APKernelConfig(block_m=bm, block_n=bn2, block_k=bk2, split_k=split, num_warps=warps, num_stages=2)
+    return cfg13, cfg2
+
+
+def default_linear_config(m: int, n: int, k: int, group_size: int | None, num_sms: int = 132) -> APKernelConfig:
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 256 else 128
+    bn = 128 if bm >= 64 else 64
+    bk = largest_block_k(k, group_size)
+    split = split_k_for(triton.cdiv(m, bm) * triton.cdiv(n, bn), k // bk, num_sms)
+    return APKernelConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=8 if bm >= 64 else 4)

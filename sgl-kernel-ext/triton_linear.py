@@ -1,0 +1,72 @@
+"""Dense AP linear y = x @ W^T (+ bias) in Triton, W rebuilt from one page-table row per launch.
+
+Same weight tiles as the MoE kernels (triton_tiles.py). With split_k > 1 the K slices are summed with
+float32 atomics into a zeroed buffer (decode GEMVs need the extra parallelism); otherwise each program
+writes its tile directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedweight.kernels.config import APKernelConfig
+from pagedweight.kernels.triton_moe import _TL_DTYPE, _check_bk, compute_dtype
+from pagedweight.kernels.triton_tiles import load_row, tile_dot, tile_k_order, weight_tile
+from pagedweight.kernels.weights import APMoEWeights
+
+
+@triton.jit
+def _ap_linear_kernel(
+    x_ptr, out_ptr, bias_ptr, pt_ptr, row_index,
+    M, N, K, G, stride_xm, stride_om, PT_STRIDE,
+    KIND: tl.constexpr, HAS_BIAS: tl.constexpr, P_MAX: tl.constexpr, SPLIT_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CD: tl.constexpr, USE_ASM: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    valid = offs_m < M
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    row, q, table = load_row(pt_ptr, row_index, PT_STRIDE)
+    korder = tile_k_order(BK, KIND)
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for kt in range(pid_k, K // BK, SPLIT_K):
+        k0 = kt * BK
+        xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + korder)[:, None],
+                     mask=valid[None, :], other=0.0)
+        w = weight_tile(row, q, table, offs_n, mask_n, k0, N, K, G, KIND, BN, BK, P_MAX, CD, USE_ASM)
+        acc = tile_dot(w, xt.to(CD), acc, DOT_F32)
+    if HAS_BIAS:
+        if pid_k == 0:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    omask = valid[None, :] & mask_n[:, None]
+    if SPLIT_K > 1:
+        tl.atomic_add(ptrs, acc, mask=omask, sem="relaxed")
+    else:
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+def ap_linear_triton(
+    x: torch.Tensor, w: APMoEWeights, row: int, bias: torch.Tensor | None, cfg: APKernelConfig, *, use_asm: bool
+) -> torch.Tensor:
+    _check_bk(w, cfg.block_k, "linear")
+    m = x.shape[0]
+    cd = compute_dtype(x.dtype)
+    if cfg.split_k > 1:
+        out = torch.zeros(m, w.N, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(m, w.N, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(w.N, cfg.block_n), cfg.split_k)
+    _ap_linear_kernel[grid](
+        x, out, bias if bias is not None else out, w.page_table, row,
+        m, w.N, w.K, w.group_size, x.stride(0), out.stride(0), w.page_table.stride(0),
+        KIND=0 if w.table_kind == "bcq" else 1, HAS_BIAS=bias is not None, P_MAX=w.bits_max, SPLIT_K=cfg.split_k,
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, CD=_TL_DTYPE[cd], USE_ASM=use_asm, DOT_F32=not x.is_cuda,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out.to(x.dtype) if cfg.split_k > 1 else out

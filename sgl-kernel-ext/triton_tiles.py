@@ -1,0 +1,228 @@
+"""Triton building blocks shared by the AP MoE and AP linear kernels: weight tiles rebuilt from planes.
+
+A weight tile is W[BN rows, BK inputs] of one expert at its committed bitwidth q, rebuilt in registers
+from the q planes the page-table row points to, then fed to `tl.dot`. The tile's inputs come out in a
+permuted order (`tile_k_order`), and the activation tile is loaded in the same order, so no data
+movement is spent undoing the bit layout.
+
+Binary-coded (bcq) tiles, W = off + sum_p alpha_p * (2 * bit_p - 1), cost 1.5 instructions per weight
+and plane: a plane word (32 inputs) is shifted so the bits of inputs s and s + 16 land on the two fp16
+sign positions (1 shift), the packed pair (alpha, alpha) has its signs flipped where the bit is 0 (1 LOP3)
+and is added to the running pair with one packed half2 add. Plane order is irrelevant to the sum, the
+bitwidth q is a run-time value (planes p >= q are neither loaded nor added), and the packed add is the
+only instruction that needs inline PTX; USE_ASM=False emulates it with plain Triton ops (the path that
+TRITON_INTERPRET=1 runs).
+
+k-means tiles build the q-bit code four inputs per 32-bit register (SWAR: one shift, one AND and one
+shift-or per plane word and 4 inputs) and gather W from the per-row LUT.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+KIND_BCQ = 0
+KIND_KMEANS = 1
+
+# 0x80008000 as a signed int32: the sign bits of both halves of a packed half2.
+_SIGN2 = tl.constexpr(-2147450880)
+
+
+@triton.jit
+def _pack2(v):
+    """fp16/bf16 tensor -> int32 holding the value in both halves."""
+    b = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return b | (b << 16)
+
+
+@triton.jit
+def _half(a, CD: tl.constexpr):
+    """Low 16 bits of an int32 as a CD value."""
+    return a.to(tl.int16).to(CD, bitcast=True)
+
+
+@triton.jit
+def _round_bits(f, CD: tl.constexpr):
+    """fp32 -> CD rounded to nearest-even, as int32 holding the 16-bit pattern (sign-extended)."""
+    if CD == tl.float16:
+        r = f.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    else:
+        b = f.to(tl.int32, bitcast=True)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.int16).to(tl.int32)
+    return r
+
+
+@triton.jit
+def _add2(a, b, CD: tl.constexpr, USE_ASM: tl.constexpr):
+    """Packed add of two half2 (CD = float16 or bfloat16) held in int32 lanes."""
+    if USE_ASM:
+        if CD == tl.float16:
+            r = tl.inline_asm_elementwise(
+                "add.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1
+            )
+        else:
+            r = tl.inline_asm_elementwise(
+                "add.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1
+            )
+    else:
+        # add in fp32 and round once to nearest-even, like add.rn: the interpreter's bf16 + bf16 is broken
+        # and its fp32 -> bf16 cast truncates (Triton 3.6), so bf16 rounding is done by hand
+        lo = _round_bits(_half(a, CD).to(tl.float32) + _half(b, CD).to(tl.float32), CD) & 0xFFFF
+        hi = _round_bits(_half(a >> 16, CD).to(tl.float32) + _half(b >> 16, CD).to(tl.float32), CD)
+        r = (hi << 16) | lo
+    return r
+
+
+@triton.jit
+def tile_k_order(BK: tl.constexpr, KIND: tl.constexpr):
+    """Input index k (within the tile) of each tile column, for the activation loads."""
+    kk = tl.arange(0, BK)
+    c = kk // 32
+    r = kk % 32
+    if KIND == 0:
+        k = c * 32 + (r % 2) * 16 + r // 2  # column (c, s, h) <- input 32c + 16h + s
+    else:
+        k = c * 32 + (r % 4) * 8 + r // 4  # column (c, s, i) <- input 32c + 8i + s
+    return k
+
+
+@triton.jit
+def _plane_words(row_ptr, p: tl.constexpr, q, word_off, mask_n):
+    """[BN, BK/32] int32 words of plane p (zeros, and no memory traffic, when p >= q)."""
+    addr = tl.load(row_ptr + 2 + p, mask=p < q, other=0)
+    plane = addr.to(tl.pointer_type(tl.int32))
+    return tl.load(plane + word_off, mask=mask_n[:, None] & (p < q), other=0)
+
+
+@triton.jit
+def _bcq_add_plane(acc, words, alpha, CD: tl.constexpr, USE_ASM: tl.constexpr):
+    shl = 15 - tl.arange(0, 16)
+    t = words[:, :, None] << shl[None, None, :]  # bits of inputs s, s+16 -> bits 15, 31
+    term = _pack2(alpha.to(CD))[:, None, None] ^ (~t & _SIGN2)  # -alpha where the bit is 0
+    return _add2(acc, term, CD, USE_ASM)
+
+
+@triton.jit
+def _bcq_plane_step(acc, row_ptr, p: tl.constexpr, q, words, table_ptr, tab_off, plane_stride, mask_n,
+                    CD: tl.constexpr, USE_ASM: tl.constexpr):
+    if p < q:
+        alpha = tl.load(table_ptr + p * plane_stride + tab_off, mask=mask_n, other=0.0)
+        acc = _bcq_add_plane(acc, words, alpha, CD, USE_ASM)
+    return acc
+
+
+@triton.jit
+def bcq_tile(row_ptr, q, table_ptr, offs_n, mask_n, k0, N, K, G,
+             BN: tl.constexpr, BK: tl.constexpr, P_MAX: tl.constexpr, CD: tl.constexpr, USE_ASM: tl.constexpr):
+    """W[BN, BK] (dtype CD) of a binary-coded block at bitwidth q; requires BK <= G (one scale per row)."""
+    ng = K // G
+    c = tl.arange(0, BK // 32)
+    word_off = offs_n[:, None].to(tl.int64) * (K // 32) + (k0 // 32 + c)[None, :]
+    # issue every plane load of the tile before any arithmetic, so q loads are in flight at once
+    w0 = _plane_words(row_ptr, 0, q, word_off, mask_n)
+    w1 = _plane_words(row_ptr, 1, q, word_off, mask_n) if P_MAX > 1 else w0
+    w2 = _plane_words(row_ptr, 2, q, word_off, mask_n) if P_MAX > 2 else w0
+    w3 = _plane_words(row_ptr, 3, q, word_off, mask_n) if P_MAX > 3 else w0
+    w4 = _plane_words(row_ptr, 4, q, word_off, mask_n) if P_MAX > 4 else w0
+    w5 = _plane_words(row_ptr, 5, q, word_off, mask_n) if P_MAX > 5 else w0
+    w6 = _plane_words(row_ptr, 6, q, word_off, mask_n) if P_MAX > 6 else w0
+    w7 = _plane_words(row_ptr, 7, q, word_off, mask_n) if P_MAX > 7 else w0
+    tab_off = offs_n * ng + k0 // G
+    plane_stride = N * ng
+    off = tl.load(table_ptr + q * plane_stride + tab_off, mask=mask_n, other=0.0)
+    acc = _pack2(off.to(CD))[:, None, None] + tl.zeros([BN, BK // 32, 16], dtype=tl.int32)
+    acc = _bcq_plane_step(acc, row_ptr, 0, q, w0, table_ptr, tab_off, plane_stride, mask_n, CD, USE_ASM)
+    if P_MAX > 1:
+        acc = _bcq_plane_step(acc, row_ptr, 1, q, w1, table_ptr, tab_off, plane_stride, mask_n, CD, USE_ASM)
+    if P_MAX > 2:
+        acc = _bcq_plane_step(acc, row_ptr, 2, q, w2, table_ptr, tab_off, plane_stride, mask_n, CD, USE_ASM)
+    if P_MAX > 3:
+        acc = _bcq_plane_step(acc, row_ptr, 3, q, w3, table_ptr, tab_off, plane_stride, mask_n, CD, USE_ASM)
+    if P_MAX > 4:
+        acc = _bcq_plane_step(acc, row_ptr, 4, q, w4, table_ptr, tab_off, plane_stride, mask_n, CD, USE_ASM)
+    if P_MAX > 5:
+        acc = _bcq_plane_step(acc, row_ptr, 5, q, w5, table_ptr, tab_off, plane_stride, mask_n, CD, USE_ASM)
+    if P_MAX > 6:
+        acc = _bcq_plane_step(acc, row_ptr, 6, q, w6, table_ptr, tab_off, plane_stride, mask_n, CD, USE_ASM)
+    if P_MAX > 7:
+        acc = _bcq_plane_step(acc, row_ptr, 7, q, w7, table_ptr, tab_off, plane_stride, mask_n, CD, USE_ASM)
+    lo = _half(acc, CD)
+    hi = _half(acc >> 16, CD)
+    return tl.join(lo, hi).reshape(BN, BK)
+
+
+@triton.jit
+def _lut_code_step(code, p: tl.constexpr, q, words):
+    if p < q:
+        s8 = tl.arange(0, 8)
+        code = (code << 1) | ((words[:, :, None] >> s8[None, None, :]) & 0x01010101)
+    return code
+
+
+@triton.jit
+def lut_tile(row_ptr, q, table_ptr, offs_n, mask_n, k0, K,
+             BN: tl.constexpr, BK: tl.constexpr, P_MAX: tl.constexpr, CD: tl.constexpr):
+    """W[BN, BK] (dtype CD) of a k-means block at bitwidth q: per-row LUT gathered at the q-bit codes."""
+    c = tl.arange(0, BK // 32)
+    word_off = offs_n[:, None].to(tl.int64) * (K // 32) + (k0 // 32 + c)[None, :]
+    w0 = _plane_words(row_ptr, 0, q, word_off, mask_n)
+    w1 = _plane_words(row_ptr, 1, q, word_off, mask_n) if P_MAX > 1 else w0
+    w2 = _plane_words(row_ptr, 2, q, word_off, mask_n) if P_MAX > 2 else w0
+    w3 = _plane_words(row_ptr, 3, q, word_off, mask_n) if P_MAX > 3 else w0
+    w4 = _plane_words(row_ptr, 4, q, word_off, mask_n) if P_MAX > 4 else w0
+    w5 = _plane_words(row_ptr, 5, q, word_off, mask_n) if P_MAX > 5 else w0
+    w6 = _plane_words(row_ptr, 6, q, word_off, mask_n) if P_MAX > 6 else w0
+    w7 = _plane_words(row_ptr, 7, q, word_off, mask_n) if P_MAX > 7 else w0
+    # code of input 32c + 8i + s sits in byte i of code[n, c, s]; plane 0 is the most significant bit
+    code = tl.zeros([BN, BK // 32, 8], dtype=tl.int32)
+    code = _lut_code_step(code, 0, q, w0)
+    if P_MAX > 1:
+        code = _lut_code_step(code, 1, q, w1)
+    if P_MAX > 2:
+        code = _lut_code_step(code, 2, q, w2)
+    if P_MAX > 3:
+        code = _lut_code_step(code, 3, q, w3)
+    if P_MAX > 4:
+        code = _lut_code_step(code, 4, q, w4)
+    if P_MAX > 5:
+        code = _lut_code_step(code, 5, q, w5)
+    if P_MAX > 6:
+        code = _lut_code_step(code, 6, q, w6)
+    if P_MAX > 7:
+        code = _lut_code_step(code, 7, q, w7)
+    byte_shift = tl.arange(0, 4) * 8
+    codes = (code[:, :, :, None] >> byte_shift[None, None, None, :]) & 0xFF
+    lut_row = (offs_n.to(tl.int64) << q)[:, None, None, None]
+    w = tl.load(table_ptr + lut_row + codes, mask=mask_n[:, None, None, None], other=0.0)
+    return w.to(CD).reshape(BN, BK)
+
+
+@triton.jit
+def weight_tile(row_ptr, q, table_ptr, offs_n, mask_n, k0, N, K, G,
+                KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P_MAX: tl.constexpr,
+                CD: tl.constexpr, USE_ASM: tl.constexpr):
+    if KIND == 0:
+        w = bcq_tile(row_ptr, q, table_ptr, offs_n, mask_n, k0, N, K, G, BN, BK, P_MAX, CD, USE_ASM)
+    else:
+        w = lut_tile(row_ptr, q, table_ptr, offs_n, mask_n, k0, K, BN, BK, P_MAX, CD)
+    return w
+
+
+@triton.jit
+def load_row(pt_ptr, e, PT_STRIDE):
+    """(row pointer, q, table pointer) of page-table row e."""
+    row = pt_ptr + e.to(tl.int64) * PT_STRIDE
+    q = tl.load(row).to(tl.int32)
+    table = tl.load(row + 1).to(tl.pointer_type(tl.float16))
+    return row, q, table
+
+
+@triton.jit
+def tile_dot(w, x, acc, DOT_F32: tl.constexpr):
+    """acc += w @ x. DOT_F32 upcasts the operands: Triton 3.6's interpreter computes bf16 dots wrongly."""
+    if DOT_F32:
+        acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc)
+    else:
+        acc = tl.dot(w, x, acc)
+    return acc

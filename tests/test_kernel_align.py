@@ -1,0 +1,69 @@
+"""moe_align_block_size: torch version against a plain-Python oracle, Triton version against torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedweight.kernels.align import aligned_sizes, moe_align_block_size, moe_align_block_size_torch
+from tests.kernel_support import HAS_CUDA, INTERPRET, KERNEL_DEVICE, needs_kernel_device, run_under_interpreter
+
+
+def oracle(ids: torch.Tensor, bs: int, e: int):
+    flat = ids.reshape(-1).tolist()
+    out, experts = [], []
+    for x in range(e):
+        pairs = [i for i, v in enumerate(flat) if v == x]
+        if not pairs:
+            continue
+        n = -(-len(pairs) // bs) * bs
+        out += pairs + [len(flat)] * (n - len(pairs))
+        experts += [x] * (n // bs)
+    return out, experts
+
+
+CASES = [
+    ("random", lambda g: torch.randint(0, 6, (7, 2), generator=g), 4, 6),
+    ("one_expert", lambda g: torch.full((9, 3), 2), 4, 5),
+    ("empty_experts", lambda g: torch.tensor([[0, 7], [7, 0], [0, 7]]), 16, 8),
+    ("dropped_ids", lambda g: torch.tensor([[-1, 1], [1, 3], [3, -1]]), 2, 4),
+    ("single", lambda g: torch.tensor([[3]]), 16, 4),
+    ("many", lambda g: torch.randint(0, 60, (300, 4), generator=g), 16, 60),
+]
+
+
+def check(al, ids, bs, e):
+    exp_sorted, exp_experts = oracle(ids, bs, e)
+    max_padded, max_blocks = aligned_sizes(ids.numel(), e, bs)
+    assert al.sorted_ids.shape == (max_padded,) and al.expert_ids.shape == (max_blocks,)
+    total = int(al.num_tokens_post_padded.item())
+    assert total == len(exp_sorted)
+    assert al.sorted_ids[:total].tolist() == exp_sorted
+    assert (al.sorted_ids[total:] == ids.numel()).all()
+    assert al.expert_ids[: total // bs].tolist() == exp_experts
+    assert (al.expert_ids[total // bs :] == -1).all()
+
+
+@pytest.mark.parametrize("name,make,bs,e", CASES, ids=[c[0] for c in CASES])
+def test_torch_align_matches_oracle(name, make, bs, e):
+    ids = make(torch.Generator().manual_seed(0)).to(torch.int32)
+    check(moe_align_block_size_torch(ids, bs, e), ids, bs, e)
+
+
+@needs_kernel_device
+@pytest.mark.parametrize("name,make,bs,e", CASES, ids=[c[0] for c in CASES])
+def test_triton_align_matches_oracle(name, make, bs, e):
+    ids = make(torch.Generator().manual_seed(0)).to(torch.int32)
+    if KERNEL_DEVICE == "cuda":
+        al = moe_align_block_size(ids.cuda(), bs, e)
+    else:
+        from pagedweight.kernels.align import MoEAlignment
+        from pagedweight.kernels.triton_align import moe_align_block_size_triton
+
+        al = MoEAlignment(*moe_align_block_size_triton(ids, bs, e), block_size=bs)
+    check(type(al)(*(t.cpu() for t in (al.sorted_ids, al.expert_ids, al.num_tokens_post_padded)), block_size=bs), ids, bs, e)
+
+
+@pytest.mark.skipif(INTERPRET or HAS_CUDA, reason="only in a plain CPU run: re-runs this file interpreted")
+def test_align_under_interpreter():
+    run_under_interpreter(__file__)
