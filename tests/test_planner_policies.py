@@ -210,6 +210,13 @@ def test_quality_missing_sensitivity_is_a_clear_error():
     del calib.sensitivity[(0, 1, "w2")]
     with pytest.raises(CalibrationError, match="layer0.expert1.w2 has no sensitivity"):
         QualityPolicy(calib).plan(table, 1, OBS)
+    with pytest.raises(CalibrationError, match="calibration covers 1 layers"):
+        QualityPolicy(make_calib(1, 2)).plan(make_table(2, 2), 1, OBS)
+    wide = make_table(1, 2, ceiling=4)
+    for r in wide:
+        r.floor_bits = 1
+    with pytest.raises(CalibrationError, match="calibration covers 2..4"):
+        QualityPolicy(make_calib(1, 2)).plan(wide, 1, OBS)
 
 
 # ---- quality: properties over random states --------------------------------------------------------

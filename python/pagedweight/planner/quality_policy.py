@@ -236,9 +236,21 @@ class QualityPolicy:
             observation.now_s - self._built_at_s >= self.options.rebuild_interval_s
         )
         if q is None or q.signature[0] != table_sig or stale_stats:
+            self._check_rows(rows)
             self._queue = self._build_queue(rows, signature)
             self._built_at_s = observation.now_s
         return self._queue
+
+    def _check_rows(self, rows: list[BlockView]) -> None:
+        """Every row must lie inside what the calibration describes (else the statistics are for another model)."""
+        c = self.calib
+        for r in rows:
+            if not 0 <= r.key.layer < c.num_layers:
+                raise CalibrationError(f"page-table block {r.key} is in layer {r.key.layer}, the calibration covers "
+                                       f"{c.num_layers} layers; re-run `pagedweight calibrate` for this checkpoint")
+            if not (c.ap.bits_min <= r.floor_bits and r.ceiling_bits <= c.ap.bits_max):
+                raise CalibrationError(f"page-table block {r.key} spans bits {r.floor_bits}..{r.ceiling_bits}, the "
+                                       f"calibration covers {c.ap.bits_min}..{c.ap.bits_max}; re-run `pagedweight calibrate`")
 
     def step_costs(self, rows: list[BlockView]) -> StepCosts:
         """Damage and bytes of every one-bit step of every row, vectorised (eq. 8 for all rows at once).
