@@ -126,7 +126,7 @@ class SourceModel:
             key = self.adapter.classify(name)
             if key is not None:
                 self.experts[name] = key
-            elif any(hint in name for hint in EXPERT_NAME_HINTS) and name.endswith(("weight", "_proj")):
+            elif any(hint in name for hint in EXPERT_NAME_HINTS):
                 unknown.append(name)
         if unknown:
             raise ConversionError(
@@ -167,12 +167,6 @@ class SourceModel:
     def read(self, name: str) -> torch.Tensor:
         with safe_open(str(self.shard_of[name]), framework="pt") as f:
             return f.get_tensor(name)
-
-    def name_of(self, key: BlockKey) -> str:
-        for name, k in self.experts.items():
-            if k == key:
-                return name
-        raise KeyError(key)
 
 
 def _router_name(source: SourceModel, layer: int) -> str:
@@ -245,6 +239,23 @@ def _copy_side_files(model_dir: Path, partial: Path) -> None:
             shutil.copyfile(path, partial / path.name)
 
 
+def _check_expert_shapes(source: SourceModel, opts: ConvertOptions) -> None:
+    """Refuse before any work starts: every expert weight must be 2-D, K % 8 == 0, K divisible into groups."""
+    for shard in source.shards:
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                if name not in source.experts:
+                    continue
+                shape = f.get_slice(name).get_shape()
+                if len(shape) != 2 or shape[1] % 8:
+                    raise ConversionError(f"{name}: shape {shape}; AP blocks need 2-D weights with in_features % 8 == 0")
+                if opts.table_kind == "bcq":
+                    try:
+                        effective_group_size(shape[1], opts.group_size)
+                    except ValueError as exc:
+                        raise ConversionError(f"{name}: {exc}") from exc
+
+
 def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, **options: Any) -> Path:
     """Convert the HF MoE model in `model_dir` to an AP checkpoint at `out_dir`; return `out_dir`.
 
@@ -258,26 +269,22 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, **options: An
     opts.validate()
     model_dir, out = Path(model_dir), Path(out_dir)
     source = SourceModel.scan(model_dir)
-    for name, key in source.experts.items():
-        with safe_open(str(source.shard_of[name]), framework="pt") as f:
-            shape = f.get_slice(name).get_shape()
-        if len(shape) != 2 or shape[1] % 8:
-            raise ConversionError(f"{name}: shape {shape}; AP blocks need 2-D weights with in_features % 8 == 0")
-        if opts.table_kind == "bcq":
-            try:
-                effective_group_size(shape[1], opts.group_size)
-            except ValueError as exc:
-                raise ConversionError(f"{name}: {exc}") from exc
+    _check_expert_shapes(source, opts)
 
     partial = _prepare_output(model_dir, out, opts.force)
     try:
         _convert_into(source, partial, opts)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(partial, out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    # Swap in the finished output; an old one (--force) is moved aside first and deleted last, so at
+    # every moment OUT is either the old complete conversion, absent, or the new complete one.
+    previous = out.parent / f"{out.name}.replaced-{os.getpid()}"
+    if out.exists():
+        os.replace(out, previous)
+    os.replace(partial, out)
+    if previous.exists():
+        shutil.rmtree(previous)
     return out
 
 
