@@ -187,9 +187,9 @@ class QualityPolicy:
         for (layer, expert), c in counts.items():
             if 0 <= layer < delta.shape[0] and 0 <= expert < delta.shape[1]:
                 delta[layer, expert] = float(c) - self._last_counts.get((layer, expert), 0.0)
-        self._last_counts = dict(counts)
         if (delta < 0).any():
             raise ValueError("Observation.routing_counts decreased; they must be cumulative since server start")
+        self._last_counts = dict(counts)
         if delta.any():
             self.stats.fold(RoutingSnapshot(delta, delta.astype(np.int64), np.zeros(delta.shape[0], np.int64)))
             self.routing_source = "counts"
