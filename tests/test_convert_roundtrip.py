@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import shutil
 import json
 from pathlib import Path
 
@@ -203,3 +204,30 @@ def test_cli_convert(models, tmp_path, capsys):
     assert list(APCheckpoint.open(out).bitwidths) == [3, 4]
     assert cli_main(["convert", "--model", str(models["mixtral"]), "--out", str(out)]) == 2
     assert "not empty; pass --force" in capsys.readouterr().err
+
+
+def test_sharded_source_gives_sharded_dense_output(models, tmp_path):
+    """A multi-shard source (with index) is read shard by shard; the dense output keeps HF sharding."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "sharded"
+    shutil.copytree(models["mixtral"], src)
+    state = load_file(str(src / "model.safetensors"))
+    (src / "model.safetensors").unlink()
+    names = sorted(state)
+    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    for file, part in halves.items():
+        save_file({n: state[n] for n in part}, str(src / file))
+    index = {"metadata": {}, "weight_map": {n: f for f, part in halves.items() for n in part}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    out = convert_checkpoint(src, tmp_path / "out", bits_max=3, progress=False)
+    written = json.loads((out / "model.safetensors.index.json").read_text())
+    dense = {}
+    for file in sorted(set(written["weight_map"].values())):
+        dense.update(load_file(str(out / file)))
+    assert set(written["weight_map"]) == set(dense)
+    assert set(dense) == {n for n in state if ".experts." not in n}
+    assert written["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in dense.values())
+    assert len(APCheckpoint.open(out).names()) == SIZES.num_layers * SIZES.num_experts * 3

@@ -194,8 +194,10 @@ def test_bad_inputs():
         quantize_bcq(w, 2, 4, 32, -torch.ones(64))
     with pytest.raises(ValueError, match="bits_min <= bits_max"):
         quantize_kmeans(w, 5, 4)
-    with pytest.raises(ValueError, match="multiple of the group size"):
+    with pytest.raises(ValueError, match="multiple of the group size 64.*e.g. --group-size 32"):
         effective_group_size(96, 64)
+    with pytest.raises(ValueError, match="e.g. --group-size 64"):
+        effective_group_size(192, 128)
     assert effective_group_size(64, 128) == 64 and effective_group_size(384, 128) == 128
     with pytest.raises(ValueError, match="table_kind"):
         quantize_block(w, "gptq", 2, 4)

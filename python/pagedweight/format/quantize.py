@@ -19,9 +19,10 @@ def effective_group_size(in_features: int, group_size: int) -> int:
         raise ValueError(f"--group-size must be a power of two, got {group_size}")
     g = min(group_size, in_features)
     if in_features % g or g & (g - 1):
+        fitting = in_features & -in_features  # largest power of two dividing in_features
         raise ValueError(
             f"in_features={in_features} is not a multiple of the group size {g}; "
-            f"pass a smaller power-of-two --group-size that divides {in_features}"
+            f"pass a power-of-two --group-size that divides {in_features}, e.g. --group-size {min(fitting, group_size)}"
         )
     return g
 
