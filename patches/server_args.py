@@ -32,12 +32,18 @@ def add_cli_args_after(result, parser, *args, **kwargs):
 
 def from_cli_args_around(original, *args, **kwargs):
     # classmethod: args = (namespace,) once bound; tolerate (cls, namespace) too.
+    from pagedweight.startup_check import PagedWeightStartupError
+
     namespace = args[-1] if args else kwargs["args"]
-    cfg = pw_config.from_namespace(namespace)
-    server_args = original(*args, **kwargs)
-    _attach(server_args, cfg)
-    if cfg.enable:
-        _validate_before_launch(server_args, cfg)
+    try:
+        cfg = pw_config.from_namespace(namespace)
+        server_args = original(*args, **kwargs)
+        _attach(server_args, cfg)
+        if cfg.enable:
+            _validate_before_launch(server_args, cfg)
+    except (pw_config.PagedWeightConfigError, PagedWeightStartupError) as e:
+        # Command line: one clear line and a non-zero exit, like argparse; nothing has been started yet.
+        raise SystemExit(f"PagedWeight error: {e}") from None
     return server_args
 
 
