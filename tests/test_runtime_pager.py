@@ -1,0 +1,396 @@
+"""The pager end to end on host memory, with fences and copies completed by the test.
+
+Copies are deferred until their fence completes (like a copy stream) and every "forward" reads the device
+page table as flushed at its boundary and is checked, right before the fence covering it completes, to
+still find valid plane and table bytes at the addresses it read (so a free, relocation or poison before
+the fence, or a commit before the copy, fails the test).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable, Optional
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from pagedweight.format.layout import BlockSpec
+from pagedweight.runtime.arena import HostPlaneArena
+from pagedweight.runtime.blocks import PROJS, BlockKey
+from pagedweight.runtime.budget import MemoryBudget
+from pagedweight.runtime.page_table import PlaneState, WeightPageTable, arena_size_classes
+from pagedweight.runtime.pager import OpPhase, Pager, PagerConfig
+from pagedweight.runtime.planner_api import Observation, Plan, ScriptedPolicy
+
+LAYERS, EXPERTS = 2, 2
+SPECS = {
+    "w13": BlockSpec(out_features=32, in_features=64, bits_min=2, bits_max=8, group_size=32),
+    "w2": BlockSpec(out_features=16, in_features=64, bits_min=2, bits_max=8, group_size=32),
+}
+BLOCKS = [(BlockKey(l, e, p), SPECS[p]) for l in range(LAYERS) for e in range(EXPERTS) for p in PROJS]
+
+
+class ManualFence:
+    def __init__(self, on_done: Optional[Callable[[], None]] = None) -> None:
+        self.completed = False
+        self._on_done = on_done
+
+    def done(self) -> bool:
+        return self.completed
+
+    def complete(self) -> None:
+        if not self.completed:
+            if self._on_done is not None:
+                self._on_done()
+            self.completed = True
+
+
+class ManualFences:
+    """Forward-stream fences, completed in order by the test."""
+
+    def __init__(self) -> None:
+        self.issued: list[ManualFence] = []
+
+    def record(self) -> ManualFence:
+        self.issued.append(ManualFence())
+        return self.issued[-1]
+
+
+class DeferredCopier:
+    """The data lands only when the fence completes, like an async copy stream."""
+
+    def __init__(self) -> None:
+        self.pending: list[ManualFence] = []
+
+    def copy(self, pairs):
+        snapshot = [(dst, src.reshape(-1).view(torch.uint8).clone()) for dst, src in pairs]
+
+        def land() -> None:
+            for dst, src in snapshot:
+                dst.copy_(src)
+
+        fence = ManualFence(land)
+        self.pending.append(fence)
+        return fence
+
+
+class HostModel:
+    def __init__(self, table: WeightPageTable, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.planes, self.tables = {}, {}
+        for row in table:
+            spec = row.spec
+            self.planes[row.block_id] = torch.randint(0, 255, spec.planes_shape(), dtype=torch.uint8, generator=g)
+            for b in spec.bitwidths:
+                self.tables[row.block_id, b] = torch.randint(0, 255, (spec.table_bytes(b),), dtype=torch.uint8, generator=g)
+
+    def host_planes(self, block_id: int) -> torch.Tensor:
+        return self.planes[block_id]
+
+    def host_table(self, block_id: int, bits: int) -> torch.Tensor:
+        return self.tables[block_id, bits]
+
+
+class Harness:
+    def __init__(
+        self, poison: bool = True, cap: int = 1 << 30, staging: Optional[int] = None, slack: int = 4096, seed: int = 0
+    ) -> None:
+        self.table = WeightPageTable(BLOCKS, initial_bits=8)
+        self.arena = HostPlaneArena(arena_size_classes(self.table), granularity=1024, poison=poison)
+        staging_bytes = SPECS["w13"].table_bytes(8) if staging is None else staging
+        total = sum(s.bytes_at(8) for _, s in BLOCKS) + staging_bytes + slack
+        self.budget = MemoryBudget(total, fixed_bytes=0)
+        self.host = HostModel(self.table, seed)
+        self.fences = ManualFences()
+        self.copier = DeferredCopier()
+        self.kv_grants: list[int] = []
+        self.kv_greedy = True  # the KV side takes every byte the weights free
+        self.pager = Pager(
+            self.table,
+            self.arena,
+            self.budget,
+            self.host,
+            self.copier,
+            self.fences,
+            on_bytes_freed=self._kv_take,
+            config=PagerConfig(max_inflight_bytes=cap, staging_bytes=staging),
+        )
+        for l in range(LAYERS):
+            for p in PROJS:
+                self.pager.mirror.bind(l, p, torch.zeros(EXPERTS, 2 + 8, dtype=torch.int64))
+        self.forwards: list[tuple[dict, Optional[ManualFence]]] = []
+        self.settle()
+
+    # -- the KV side --------------------------------------------------------------------------------
+    def _kv_take(self, nbytes: int) -> None:
+        self.kv_grants.append(nbytes)
+        if not self.kv_greedy:
+            return
+        res = self.budget.try_reserve("kv", nbytes)
+        assert res is not None, "bytes handed to the KV side must be free in the budget"
+        self.budget.commit(res)
+
+    def kv_grab_all(self) -> None:
+        res = self.budget.try_reserve("kv", self.budget.free)
+        self.budget.commit(res)
+
+    def kv_release(self, frac: float) -> None:
+        self.budget.release("kv", int(self.budget.used("kv") * frac))
+
+    # -- driving ------------------------------------------------------------------------------------
+    def boundary(self) -> None:
+        before = len(self.fences.issued)
+        self.pager.on_boundary()
+        assert len(self.fences.issued) == before + 1, "one forward-stream fence per boundary"
+        fence = self.fences.issued[-1]
+        if self.forwards and self.forwards[-1][1] is None:  # the forward since the last boundary ends here
+            self.forwards[-1] = (self.forwards[-1][0], fence)
+        snap = self.snapshot()
+        self.verify(snap)  # what the next forward reads is valid now ...
+        self.forwards.append((snap, None))
+        self.check_invariants()
+
+    def complete_copies(self, n: int) -> None:
+        for fence in self.copier.pending[:n]:
+            fence.complete()
+        self.copier.pending = self.copier.pending[n:]
+
+    def complete_fences(self, n: int) -> None:
+        for fence in [f for f in self.fences.issued if not f.completed][:n]:
+            for snap, f in self.forwards:
+                if f is fence:
+                    self.verify(snap)  # ... and still valid when the forward that read it finishes
+            fence.complete()
+        self.forwards = [(s, f) for s, f in self.forwards if f is None or not f.completed]
+
+    def settle(self, max_rounds: int = 100) -> None:
+        for _ in range(max_rounds):
+            self.complete_copies(len(self.copier.pending))
+            self.complete_fences(len(self.fences.issued))
+            self.boundary()
+            if self.pager.idle():
+                self.complete_fences(len(self.fences.issued))
+                return
+        raise AssertionError(f"pager not idle: {self.pager.state()}")
+
+    # -- checks -------------------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        return {(l, p): self.pager.mirror.bound(l, p).clone() for l in range(LAYERS) for p in PROJS}
+
+    def verify(self, snap: dict) -> None:
+        for row in self.table:
+            k = row.key
+            dev = snap[k.layer, k.proj][k.expert].tolist()
+            q, spec = dev[0], row.spec
+            if q == 0:
+                assert dev == [0] * len(dev)
+                continue
+            table_bytes = self.arena._view(dev[1], spec.table_bytes(q))
+            assert torch.equal(table_bytes, self.host.host_table(row.block_id, q)), f"{k}: table {q} corrupted"
+            for p in range(spec.bits_max):
+                if p >= q:
+                    assert dev[2 + p] == 0, f"{k}: plane {p} >= q={q} has an address"
+                    continue
+                plane = self.arena._view(dev[2 + p], spec.plane_bytes())
+                assert torch.equal(plane, self.host.planes[row.block_id][p].reshape(-1)), f"{k}: plane {p} corrupted"
+
+    def check_invariants(self) -> None:
+        t, b, a, pager = self.table, self.budget, self.arena, self.pager
+        assert b.free >= 0
+        assert b.used("weights") == t.resident_bytes() + pager.staging_free
+        assert set(a.handles()) == set(t.handles()), "a plane is both free and referenced, or leaked"
+        a.check()
+        for row in t:
+            t.check_row(row.block_id)
+            k = row.key
+            assert pager.mirror.bound(k.layer, k.proj)[k.expert].tolist() == pager.mirror.expected_row(row.block_id)
+        loading = [op for op in pager._ops.values() if op.phase is OpPhase.LOADING]
+        assert pager.inflight_bytes == sum(op.inflight_bytes for op in loading)
+        assert len(loading) <= 1 or pager.inflight_bytes <= pager.config.max_inflight_bytes
+
+
+# boundaries, copies and fences interleave far more often than new plans arrive
+actions = st.lists(
+    st.tuples(
+        st.sampled_from(["plan"] * 2 + ["boundary"] * 5 + ["copies"] * 3 + ["fences"] * 2 + ["kv_grab", "kv_release"]),
+        st.integers(1, 2**31),
+    ),
+    min_size=10,
+    max_size=60,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(acts=actions, poison=st.booleans(), cap=st.sampled_from([1, 3000, 1 << 30]), staging=st.sampled_from([0, None]))
+def test_random_transitions_keep_invariants(acts, poison: bool, cap: int, staging: Optional[int]) -> None:
+    h = Harness(poison=poison, cap=cap, staging=staging)
+    for act, arg in acts:
+        if act == "plan":
+            rng = random.Random(arg)
+            ids = rng.sample(range(len(BLOCKS)), rng.randint(1, len(BLOCKS)))
+            h.pager.submit(Plan.of([(i, rng.randint(2, 8)) for i in ids], reason="random"))
+        elif act == "boundary":
+            h.boundary()
+        elif act == "copies":
+            h.complete_copies(1 + arg % 4)
+        elif act == "fences":
+            h.complete_fences(1 + arg % 3)
+        elif act == "kv_grab":
+            h.kv_grab_all()
+        else:
+            h.kv_release(1 / (1 + arg % 4))
+    h.kv_greedy = False  # the quiet end: freed bytes stay free, so every plan can finish
+    h.kv_release(1.0)
+    h.settle()
+    for row in h.table:
+        assert row.committed_bits == row.desired_bits
+    assert h.table.resident_bytes() == h.table.committed_bytes()
+    assert h.budget.used("weights") == h.table.committed_bytes() + h.pager.staging_free
+
+
+def loaded_harness(**kw) -> Harness:
+    h = Harness(**kw)
+    assert all(r.committed_bits == 8 for r in h.table)
+    return h
+
+
+def test_offload_lowers_q_before_freeing_and_pays_the_kv_side() -> None:
+    h = loaded_harness()
+    row = h.table.row(0)
+    spec = row.spec
+    loads = h.pager.counters.transitions  # the initial load at 8 bits counts as reloads
+    h.pager.submit(Plan.of([(0, 6)]), direction="offload")
+    h.boundary()  # table_6 is being copied in
+    assert row.committed_bits == 8 and h.copier.pending
+    h.boundary()
+    assert row.committed_bits == 8, "committed before the lower table arrived"
+    h.complete_copies(1)
+    h.boundary()  # commit: the flush of this boundary switches the kernel to 6 bits
+    assert row.committed_bits == 6 and h.snapshot()[0, "w13"][0, 0] == 6
+    assert [row.plane_state(p) for p in (6, 7)] == [PlaneState.IN_FLIGHT] * 2
+    assert row.table_state(8) is PlaneState.IN_FLIGHT and h.kv_grants == []
+    h.boundary()
+    assert row.planes[6] is not None, "freed before the fence proved no forward reads it"
+    h.complete_fences(len(h.fences.issued))
+    h.boundary()
+    assert row.planes[6] is None and row.planes[7] is None and 8 not in row.tables
+    assert h.kv_grants == [2 * spec.plane_bytes() + spec.table_bytes(8)]
+    assert h.pager.counters.offloads_committed == 1 and h.pager.counters.transitions == loads + 1
+
+
+def test_reload_copies_before_raising_q() -> None:
+    h = loaded_harness()
+    h.pager.submit(Plan.of([(1, 4)]))
+    h.settle()
+    row = h.table.row(1)
+    h.pager.submit(Plan.of([(1, 7)]), direction="reload")
+    h.boundary()
+    assert row.committed_bits == 4 and [row.plane_state(p) for p in (4, 5, 6)] == [PlaneState.IN_FLIGHT] * 3
+    h.boundary()
+    assert row.committed_bits == 4, "raised before the copy fence"
+    h.complete_copies(1)
+    h.boundary()
+    assert row.committed_bits == 7 and row.table_state(4) is PlaneState.IN_FLIGHT
+    h.complete_fences(len(h.fences.issued))
+    h.boundary()
+    assert 4 not in row.tables and h.pager.idle()
+
+
+def test_back_pressure_caps_bytes_in_flight() -> None:
+    h = loaded_harness()
+    h.kv_greedy = False  # keep freed bytes for the reloads
+    h.pager.submit(Plan.of([(i, 2) for i in range(len(BLOCKS))]))
+    h.settle()
+    one = SPECS["w13"].bytes_at(8) - SPECS["w13"].bytes_at(2) + SPECS["w13"].table_bytes(2)
+    h.pager.config.max_inflight_bytes = one
+    h.pager.submit(Plan.of([(i, 8) for i in range(len(BLOCKS))]), direction="reload")
+    h.boundary()
+    loading = [op for op in h.pager._ops.values() if op.phase is OpPhase.LOADING]
+    assert len(loading) == 1 and h.pager.inflight_bytes <= one
+    assert h.pager.counters.deferred_backpressure >= 1
+    h.settle()
+    assert all(r.committed_bits == 8 for r in h.table)
+
+
+def test_budget_refusal_defers_and_staging_keeps_offload_possible() -> None:
+    for staging in (0, None):
+        h = loaded_harness(staging=staging)
+        h.kv_grab_all()  # the KV cache holds every free byte
+        h.pager.submit(Plan.of([(0, 5)]), direction="offload")
+        for _ in range(3):
+            h.complete_copies(9)
+            h.complete_fences(99)
+            h.boundary()
+        if staging is None:  # the default staging reserve
+            assert h.table.row(0).committed_bits == 5 and h.pager.counters.deferred_budget == 0
+        else:
+            assert h.table.row(0).committed_bits == 8 and h.pager.counters.deferred_budget >= 3
+        # reload with no free memory: refused, not raised
+        h.pager.submit(Plan.of([(1, 8), (2, 8)]))
+        h.kv_release(1.0)
+        h.settle()
+        assert h.table.row(0).committed_bits == 5
+
+
+def test_replanning_while_in_flight_aborts_unwanted_copies() -> None:
+    h = loaded_harness()
+    h.pager.submit(Plan.of([(3, 3)]))
+    h.settle()
+    used = h.budget.used("weights")
+    reloads = h.pager.counters.reloads_committed
+    h.pager.submit(Plan.of([(3, 8)]))
+    h.boundary()
+    assert h.budget.used("weights") > used
+    h.pager.submit(Plan.of([(3, 3)]))  # changed our mind while the planes are in flight
+    h.pager.submit(Plan.of([(3, 3)]))  # and again: idempotent
+    h.complete_copies(9)
+    h.boundary()
+    assert h.pager.counters.ops_aborted == 1 and h.table.row(3).committed_bits == 3
+    assert h.budget.used("weights") == used and h.pager.counters.reloads_committed == reloads
+    h.settle()
+
+
+def test_scripted_policy_drives_the_pager_to_its_target() -> None:
+    h = loaded_harness()
+    loads = h.pager.counters.transitions
+    before = h.table.committed_bytes()
+    target = 5000
+    plan = ScriptedPolicy().plan(h.table, target, Observation())
+    h.pager.submit(plan, direction="offload")
+    h.settle()
+    freed = before - h.table.committed_bytes()
+    assert freed >= target and sum(h.kv_grants) >= target - 2 * SPECS["w13"].table_bytes(8)
+    state = h.pager.state()
+    assert state["counters"]["transitions"] == loads + len(plan) and state["queued_blocks"] == 0
+    assert state["weights_committed_bytes"] == h.table.committed_bytes()
+
+
+def test_submit_rejects_bad_plans() -> None:
+    h = loaded_harness()
+    with pytest.raises(ValueError, match="appears twice"):
+        h.pager.submit(Plan.of([(0, 4), (0, 5)]))
+    with pytest.raises(ValueError, match="floor..ceiling"):
+        h.pager.submit(Plan.of([(0, 1)]))
+    with pytest.raises(ValueError, match="does not raise"):
+        h.pager.submit(Plan.of([(0, 4)]), direction="reload")
+
+
+def test_free_never_relocates_a_plane_still_being_copied_in() -> None:
+    h = loaded_harness()
+    h.kv_greedy = False
+    w13_a, w13_b = 0, 2  # two gate_up blocks: their planes share one arena size class
+    h.pager.submit(Plan.of([(w13_b, 4)]))
+    h.settle()
+    h.pager.submit(Plan.of([(w13_b, 8), (w13_a, 6)]))
+    h.boundary()  # b's planes 4..7 are being copied into the tail slots; a loads table_6
+    tail = h.arena.last_live(SPECS["w13"].plane_bytes())
+    assert h.table.owner(tail) == (w13_b, "plane", 7)
+    h.complete_copies(1)  # only a's table arrives
+    h.boundary()  # a commits 6 bits
+    h.complete_fences(len(h.fences.issued))
+    h.boundary()  # a's planes 6, 7 may go, but freeing them would move b's half-copied plane 7
+    assert h.pager.counters.deferred_inbound >= 1
+    assert h.table.row(w13_a).planes[6] is not None
+    h.settle()  # every boundary re-verifies the planes the kernel reads
+    assert h.table.row(w13_b).committed_bits == 8 and h.table.row(w13_a).planes[6] is None
