@@ -19,9 +19,11 @@ from pagedweight.format.layout import BlockSpec
 from pagedweight.runtime.arena import HostPlaneArena
 from pagedweight.runtime.blocks import PROJS, BlockKey
 from pagedweight.runtime.budget import MemoryBudget
+from pagedweight.runtime.controller import PagingController
 from pagedweight.runtime.page_table import PlaneState, WeightPageTable, arena_size_classes
 from pagedweight.runtime.pager import OpPhase, Pager, PagerConfig
 from pagedweight.runtime.planner_api import Observation, Plan, ScriptedPolicy
+from pagedweight.runtime.pressure import KVPressureSignal
 
 LAYERS, EXPERTS = 2, 2
 SPECS = {
@@ -394,3 +396,53 @@ def test_free_never_relocates_a_plane_still_being_copied_in() -> None:
     assert h.table.row(w13_a).planes[6] is not None
     h.settle()  # every boundary re-verifies the planes the kernel reads
     assert h.table.row(w13_b).committed_bits == 8 and h.table.row(w13_a).planes[6] is None
+
+
+class FakeElasticKV:
+    """A KV cache of fixed-size blocks that grows with freed weight bytes and shrinks its free tail."""
+
+    def __init__(self, budget: MemoryBudget, bytes_per_block: int) -> None:
+        self.budget, self.bpb = budget, bytes_per_block
+        self.capacity = 0  # blocks
+        self.in_use = 0
+        self.grow(budget.free)
+
+    def grow(self, nbytes: int) -> None:
+        blocks = nbytes // self.bpb
+        res = self.budget.try_reserve("kv", blocks * self.bpb)
+        assert res is not None
+        self.budget.commit(res)
+        self.capacity += blocks
+
+    def shrink(self, nbytes: int) -> int:
+        blocks = min(nbytes // self.bpb, self.capacity - self.in_use)
+        self.capacity -= blocks
+        self.budget.release("kv", blocks * self.bpb)
+        return blocks * self.bpb
+
+
+def test_controller_trades_weight_bytes_for_kv_blocks_and_back() -> None:
+    h = loaded_harness(slack=4096)
+    kv = FakeElasticKV(h.budget, bytes_per_block=256)
+    h.pager.on_bytes_freed = kv.grow
+    ctrl = PagingController(
+        h.pager, ScriptedPolicy(), KVPressureSignal(threshold_blocks=4, bytes_per_block=256, relax_blocks=12, relax_checks=2), kv
+    )
+    start_blocks, full_weights = kv.capacity, h.table.committed_bytes()
+
+    def run(demand: int, iterations: int) -> None:
+        for _ in range(iterations):
+            kv.in_use = min(demand, kv.capacity)
+            ctrl.step(available_blocks=kv.capacity - kv.in_use)
+            h.verify(h.snapshot())
+            h.check_invariants()
+            h.complete_copies(len(h.copier.pending))
+            h.complete_fences(len(h.fences.issued))
+
+    run(demand=40, iterations=40)  # burst: far more KV than the slack gives
+    assert kv.capacity - 40 >= 5, "pressure not relieved: free blocks still at or below T_blk"
+    assert h.table.committed_bytes() < full_weights and ctrl.pager.counters.offloads_committed > 0
+    burst_weights = h.table.committed_bytes()
+    run(demand=0, iterations=40)  # quiet: the KV cache gives memory back and the weights reload
+    assert h.table.committed_bytes() == full_weights > burst_weights  # all blocks back at 8 bits
+    assert kv.capacity == 12 < start_blocks  # T_hi free blocks kept, the rest went back to the weights

@@ -274,8 +274,18 @@ class Pager:
                 total += sum(self._item_bytes(op.block_id, it) for it in op.retiring)
         return total
 
-    def state(self) -> dict:
-        """JSON-ready snapshot for the state endpoint."""
+    def pending_reload_bytes(self) -> int:
+        """Bytes that queued reloads (desired > committed, not started) will still reserve. A scheduler
+        subtracts it from the free budget before asking a policy for more reloads."""
+        total = 0
+        for row in self.table:
+            if row.desired_bits > row.committed_bits and row.block_id not in self._ops:
+                total += row.bytes_at(row.desired_bits) - row.bytes_at(row.committed_bits)
+        return total
+
+    def state(self, include_blocks: bool = False) -> dict:
+        """JSON-ready snapshot for the state endpoint; `include_blocks` adds
+        [layer, expert, proj, committed, desired] per block."""
         phases = {p.value: 0 for p in OpPhase}
         for op in self._ops.values():
             phases[op.phase.value] += 1
@@ -291,6 +301,11 @@ class Pager:
             "weights_resident_bytes": self.table.resident_bytes(),
             "arena": asdict(arena),
             "budget": asdict(self.budget.snapshot()),
+            **(
+                {"blocks": [[r.key.layer, r.key.expert, r.key.proj, r.committed_bits, r.desired_bits] for r in self.table]}
+                if include_blocks
+                else {}
+            ),
         }
 
     # -- boundary phases ----------------------------------------------------------------------------
