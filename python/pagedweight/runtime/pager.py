@@ -227,7 +227,7 @@ class Pager:
         self._release_quarantine()
         freed = self._poll(relocations)
         committed = self._commit_ready()
-        started = self._start_ops(relocations)
+        started = self._start_ops()
         rows = self.mirror.flush()
         self.counters.rows_flushed += rows
         # One fence behind this flush: once done, no forward reads the rows it replaced.
@@ -349,7 +349,6 @@ class Pager:
         for op in self._ops.values():
             if op.phase is not OpPhase.READY:
                 continue
-            row = self.table.row(op.block_id)
             old = op.from_bits
             self.table.commit(op.block_id, op.to_bits)
             if op.kind is OpKind.OFFLOAD:
@@ -361,10 +360,10 @@ class Pager:
             for kind, index in op.retiring:
                 self.table.set_state(op.block_id, kind, index, PlaneState.IN_FLIGHT)
             op.phase, op.fence = OpPhase.RETIRING, None
-            committed.append(row.block_id)
+            committed.append(op.block_id)
         return committed
 
-    def _start_ops(self, relocations: list[Relocation]) -> int:
+    def _start_ops(self) -> int:
         started = 0
         candidates = [b for b in self._queue if b not in self._ops]
         rows = [self.table.row(b) for b in candidates]
