@@ -230,13 +230,15 @@ class Pager:
         started = self._start_ops()
         rows = self.mirror.flush()
         self.counters.rows_flushed += rows
-        # One fence behind this flush: once done, no forward reads the rows it replaced.
-        fence = self.fences.record()
-        for op in self._ops.values():
-            if op.phase is OpPhase.RETIRING and op.fence is None:
+        # One fence behind this flush: once done, no forward reads the rows it replaced. Only recorded
+        # when something waits for it, so an idle boundary enqueues nothing.
+        waiting = [op for op in self._ops.values() if op.phase is OpPhase.RETIRING and op.fence is None]
+        if waiting or relocations:
+            fence = self.fences.record()
+            for op in waiting:
                 op.fence = fence
-        if relocations:
-            self._quarantined.append((fence, relocations))
+            if relocations:
+                self._quarantined.append((fence, relocations))
         return BoundaryReport(tuple(committed), freed, started, rows)
 
     def idle(self) -> bool:
