@@ -447,3 +447,82 @@ def test_controller_trades_weight_bytes_for_kv_blocks_and_back() -> None:
     run(demand=0, iterations=40)  # quiet: the KV cache gives memory back and the weights reload
     assert h.table.committed_bytes() == full_weights > burst_weights  # all blocks back at 8 bits
     assert kv.capacity == 12 < start_blocks  # T_hi free blocks kept, the rest went back to the weights
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_pager_with_vmm_arena_copy_stream_and_events() -> None:
+    """The real thing on one GPU: VMM arena (poison on), copy stream, CUDA events; the device page table
+    always points at valid bytes, and offloading to the floor gives memory back to the driver."""
+    from pagedweight.runtime.arena import CudaVmmPlaneArena
+    from pagedweight.runtime.copier import TorchCopier
+    from pagedweight.runtime.fences import CudaEventFenceFactory
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    specs = {
+        "w13": BlockSpec(out_features=512, in_features=1024, bits_min=2, bits_max=8, group_size=128),
+        "w2": BlockSpec(out_features=1024, in_features=256, bits_min=2, bits_max=8, group_size=128),
+    }
+    layers, experts = 8, 16  # ~110 MB of planes and tables: well above the per-class granule rounding
+    blocks = [(BlockKey(l, e, p), specs[p]) for l in range(layers) for e in range(experts) for p in PROJS]
+    table = WeightPageTable(blocks, initial_bits=8)
+    host = HostModel(table, seed=1)
+    for d in (host.planes, host.tables):
+        for k in d:
+            d[k] = d[k].pin_memory()
+    arena = CudaVmmPlaneArena(arena_size_classes(table), device_id=dev.index, poison=True)
+    full = sum(s.bytes_at(8) for _, s in blocks)
+    budget = MemoryBudget(full + (64 << 20))
+    freed: list[int] = []
+    pager = Pager(
+        table, arena, budget, host, TorchCopier.for_device(dev), CudaEventFenceFactory(),
+        on_bytes_freed=freed.append, config=PagerConfig(max_inflight_bytes=4 << 20),
+    )
+    tensors = {(l, p): torch.zeros(experts, 10, dtype=torch.int64, device=dev) for l in range(layers) for p in PROJS}
+    for (l, p), t in tensors.items():
+        pager.mirror.bind(l, p, t)
+
+    def verify() -> None:
+        torch.cuda.synchronize()
+        for row in table:
+            k, spec = row.key, row.spec
+            dev_row = tensors[k.layer, k.proj][k.expert].tolist()
+            assert dev_row == pager.mirror.expected_row(row.block_id)
+            q = dev_row[0]
+            got = arena._view(dev_row[1], spec.table_bytes(q)).cpu()
+            assert torch.equal(got, host.tables[row.block_id, q]), f"{k}: table {q}"
+            for p in range(q):
+                got = arena._view(dev_row[2 + p], spec.plane_bytes()).cpu()
+                assert torch.equal(got, host.planes[row.block_id][p].reshape(-1)), f"{k}: plane {p}"
+
+    try:
+        pager.drain(wait=torch.cuda.synchronize)
+        verify()
+        free_full, _ = torch.cuda.mem_get_info(dev)
+        pager.submit(Plan.of([(i, 2) for i in range(len(blocks))]), direction="offload")
+        pager.drain(wait=torch.cuda.synchronize)
+        verify()
+        free_floor, _ = torch.cuda.mem_get_info(dev)
+        expect = full - sum(s.bytes_at(2) for _, s in blocks)
+        slack = len(arena_size_classes(table)) * arena.granularity
+        assert sum(freed) >= expect - 2 * max(s.table_bytes(8) for s in specs.values())
+        assert expect > 3 * slack  # so the check below is not vacuous
+        # the caching allocator may grow by a few MiB meanwhile (page-table staging tensors)
+        assert free_floor - free_full >= expect - slack - (8 << 20), "offloaded planes did not go back to the driver"
+        rng = random.Random(0)
+        x = torch.randn(1024, 1024, device=dev)
+        for it in range(300):  # forwards keep the GPU busy while plans change underneath
+            if it % 5 == 0:
+                ids = rng.sample(range(len(blocks)), 32)
+                pager.submit(Plan.of([(i, rng.randint(2, 8)) for i in ids]))
+            x = torch.tanh(x @ x) * 0.5
+            pager.on_boundary()
+            if it % 50 == 49:
+                verify()
+        pager.drain(wait=torch.cuda.synchronize)
+        verify()
+        arena.check()
+        assert budget.used("weights") == table.resident_bytes() + pager.staging_free
+    finally:
+        torch.cuda.synchronize()
+        arena.close()
