@@ -37,7 +37,7 @@ CPU_SERVER_FLAGS = [
     "--disable-cuda-graph",
     "--page-size", "1",
     "--max-total-tokens", "4096",
-    "--mem-fraction-static", "0.05",
+    "--mem-fraction-static", "0.5",
     "--max-running-requests", "8",
     "--chunked-prefill-size", "512",
     "--skip-server-warmup",

@@ -25,7 +25,7 @@ def main() -> None:
         disable_cuda_graph=True,
         page_size=1,
         max_total_tokens=2048,
-        mem_fraction_static=0.05,
+        mem_fraction_static=0.5,
         skip_server_warmup=True,
         **engine_kwargs,
     )
