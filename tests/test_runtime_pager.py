@@ -85,13 +85,16 @@ class HostModel:
             spec = row.spec
             self.planes[row.block_id] = torch.randint(0, 255, spec.planes_shape(), dtype=torch.uint8, generator=g)
             for b in spec.bitwidths:
-                self.tables[row.block_id, b] = torch.randint(0, 255, (spec.table_bytes(b),), dtype=torch.uint8, generator=g)
+                self.tables[row.block_id, b] = torch.randn(spec.table_shape(b), generator=g).half()
 
     def host_planes(self, block_id: int) -> torch.Tensor:
         return self.planes[block_id]
 
     def host_table(self, block_id: int, bits: int) -> torch.Tensor:
         return self.tables[block_id, bits]
+
+    def table_bytes(self, block_id: int, bits: int) -> torch.Tensor:
+        return self.tables[block_id, bits].reshape(-1).view(torch.uint8)
 
 
 class Harness:
@@ -190,7 +193,7 @@ class Harness:
                 assert dev == [0] * len(dev)
                 continue
             table_bytes = self.arena._view(dev[1], spec.table_bytes(q))
-            assert torch.equal(table_bytes, self.host.host_table(row.block_id, q)), f"{k}: table {q} corrupted"
+            assert torch.equal(table_bytes, self.host.table_bytes(row.block_id, q)), f"{k}: table {q} corrupted"
             for p in range(spec.bits_max):
                 if p >= q:
                     assert dev[2 + p] == 0, f"{k}: plane {p} >= q={q} has an address"
@@ -490,7 +493,7 @@ def test_gpu_pager_with_vmm_arena_copy_stream_and_events() -> None:
             assert dev_row == pager.mirror.expected_row(row.block_id)
             q = dev_row[0]
             got = arena._view(dev_row[1], spec.table_bytes(q)).cpu()
-            assert torch.equal(got, host.tables[row.block_id, q]), f"{k}: table {q}"
+            assert torch.equal(got, host.table_bytes(row.block_id, q)), f"{k}: table {q}"
             for p in range(q):
                 got = arena._view(dev_row[2 + p], spec.plane_bytes()).cpu()
                 assert torch.equal(got, host.planes[row.block_id][p].reshape(-1)), f"{k}: plane {p}"
@@ -526,3 +529,17 @@ def test_gpu_pager_with_vmm_arena_copy_stream_and_events() -> None:
     finally:
         torch.cuda.synchronize()
         arena.close()
+
+
+def test_resident_views_dequantize_like_the_host_copy() -> None:
+    from pagedweight.format.layout import dequantize
+
+    h = loaded_harness()
+    spec = SPECS["w2"]
+    h.pager.submit(Plan.of([(1, 5)]))
+    h.settle()
+    planes, table = h.pager.resident(1)
+    assert len(planes) == 5 and planes[0].shape == (16, 8) and table.dtype == torch.float16
+    got = dequantize(torch.stack(planes), table, 5, "bcq", spec.group_size)
+    want = dequantize(h.host.planes[1][:5], h.host.tables[1, 5], 5, "bcq", spec.group_size)
+    assert torch.equal(got, want)

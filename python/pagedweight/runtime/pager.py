@@ -36,6 +36,7 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
+from pagedweight.format.layout import TABLE_DTYPE
 from pagedweight.runtime.arena import PlaneArena, Relocation
 from pagedweight.runtime.budget import MemoryBudget, Reservation
 from pagedweight.runtime.copier import Copier
@@ -258,6 +259,19 @@ class Pager:
             f"pager not idle after {max_boundaries} boundaries: {len(self._ops)} ops, {len(self._queue)} queued, "
             f"deferred budget={self.counters.deferred_budget}; is the weights budget large enough for the desired bits?"
         )
+
+    def resident(self, block_id: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Typed views of what the kernel reads for a block now: planes [N, K/8] uint8 for p < q and
+        table_q (layout.BlockSpec.table_shape, float16). For the CPU reference path; valid until the
+        next boundary (a relocation may move them)."""
+        row = self.table.row(block_id)
+        q = row.committed_bits
+        if q == 0:
+            raise RuntimeError(f"{row.key} is not loaded yet; run boundaries (or drain()) first")
+        shape = row.spec.planes_shape()[1:]
+        planes = [self.arena.tensor(row.planes[p].handle).view(shape) for p in range(q)]
+        table = self.arena.tensor(row.tables[q].handle).view(TABLE_DTYPE).view(row.spec.table_shape(q))
+        return planes, table
 
     @property
     def inflight_bytes(self) -> int:
