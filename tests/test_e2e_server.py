@@ -91,3 +91,22 @@ def test_startup_log_reports_expert_memory(server):
     assert "at 4 bits" in line
     frac = float(re.search(r", ([0-9.]+)%\)", line).group(1))
     assert 0 < frac < 40.0
+
+
+def test_mixtral_with_kmeans_tables_serves(tiny_mixtral, server_env, cpu_server_flags, work_dir):
+    """The second architecture and the second table kind through the same server path."""
+    from pagedweight.convert import convert_checkpoint
+
+    ap = convert_checkpoint(tiny_mixtral, work_dir / "ap-mixtral-kmeans", table_kind="kmeans", bits_min=2,
+                            bits_max=8, seed=0)
+    srv = launch_server(ap, ["--enable-paged-weight", "--paged-weight-bits", "3"] + cpu_server_flags, server_env,
+                        work_dir / "server-mixtral.log")
+    try:
+        wait_healthy(srv)
+        r = requests.post(srv.url + "/generate", json={"text": "a b c", "sampling_params": {
+            "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}, timeout=120)
+        r.raise_for_status()
+        assert r.json()["meta_info"]["completion_tokens"] == 6
+        assert any("PagedWeight:" in l and "at 3 bits" in l for l in srv.log().splitlines())
+    finally:
+        srv.stop()

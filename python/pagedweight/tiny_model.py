@@ -161,7 +161,7 @@ def train_tiny_tokenizer(vocab_size: int, corpus: str = TINY_CORPUS):
     return tokenizer
 
 
-def _write_tokenizer(out_dir: Path, vocab_size: int, max_length: int) -> None:
+def write_tokenizer(out_dir: Path, vocab_size: int, max_length: int) -> None:
     tokenizer = train_tiny_tokenizer(vocab_size)
     ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
     if ids != list(range(len(SPECIAL_TOKENS))):
@@ -264,7 +264,7 @@ def make_tiny_moe(
     if len(weights) != 1:
         raise RuntimeError(f"expected one model.safetensors in {out}, found {[p.name for p in weights]}")
     _ensure_per_expert_names(weights[0], arch)
-    _write_tokenizer(out, sizes.vocab_size, sizes.max_position_embeddings)
+    write_tokenizer(out, sizes.vocab_size, sizes.max_position_embeddings)
     # Chat turns end with <|im_end|>, plain completions with </s>: both stop generation.
     generation_config_path = out / "generation_config.json"
     generation_config = json.loads(generation_config_path.read_text())

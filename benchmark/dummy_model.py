@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Config-only model directories at real shapes, for `--load-format dummy` speed runs.
+
+    python benchmark/dummy_model.py --model qwen15moe --out out/qwen15moe-dummy
+
+SGLang's dummy loader needs only config.json and tokenizer files; with --enable-paged-weight the experts get
+random AP planes at the same shapes (speed does not depend on weight values). The tokenizer is the tiny
+project tokenizer (its ids are a subset of the model's vocabulary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+# Published configs (shapes only; values that do not change tensor shapes are kept as published).
+CONFIGS = {
+    "qwen15moe": {  # Qwen1.5-MoE-A2.7B
+        "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 2048,
+        "intermediate_size": 5632, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "num_hidden_layers": 24, "num_experts": 60,
+        "num_experts_per_tok": 4, "norm_topk_prob": False, "vocab_size": 151936, "max_position_embeddings": 8192,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False, "use_sliding_window": False,
+        "sliding_window": 32768, "max_window_layers": 21, "router_aux_loss_coef": 0.001, "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+    },
+    "mixtral": {  # Mixtral-8x7B-v0.1
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000, "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-05, "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False, "sliding_window": None, "router_aux_loss_coef": 0.02,
+        "attention_dropout": 0.0, "initializer_range": 0.02,
+    },
+}
+
+
+def make_dummy_model(name: str, out: Path, num_layers: int | None = None) -> Path:
+    from pagedweight.tiny_model import BOS_TOKEN, EOS_TOKEN, SPECIAL_TOKENS, write_tokenizer
+
+    cfg = dict(CONFIGS[name])
+    if num_layers is not None:
+        cfg["num_hidden_layers"] = num_layers
+    cfg["bos_token_id"] = SPECIAL_TOKENS.index(BOS_TOKEN)
+    cfg["eos_token_id"] = SPECIAL_TOKENS.index(EOS_TOKEN)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    write_tokenizer(out, vocab_size=1000, max_length=cfg["max_position_embeddings"])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(CONFIGS), default="qwen15moe")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--num-layers", type=int, default=None, help="override the layer count (smaller runs)")
+    args = ap.parse_args()
+    print(make_dummy_model(args.model, args.out, args.num_layers))
+
+
+if __name__ == "__main__":
+    main()
