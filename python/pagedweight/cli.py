@@ -17,6 +17,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "pagedweight.tiny_model",  # make-tiny
     "pagedweight.convert",  # convert
     "pagedweight.calibrate",  # calibrate
+    "pagedweight.moefy.cli",  # moefy
 )
 
 
