@@ -1,7 +1,8 @@
-"""ModelRunner integration: after the model is loaded, collect every paged-weight MoE layer and report.
+"""ModelRunner integration: after the model is loaded, start the PagedWeight runtime and report.
 
-The startup log states what the experts cost in device memory at their committed bitwidths, next to what
-bf16 experts would have cost, so a user can see the saving before serving starts.
+The runtime loads every expert block's committed planes into the plane arena before SGLang measures free
+memory for its KV cache. The startup log states what the experts cost on the device at their committed
+bitwidths next to what bf16 experts would cost, so a user sees the saving before serving starts.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def collect_layer_stores(model: torch.nn.Module) -> list:
 
 
 def load_model_after(result, model_runner, *args, **kwargs):
+    from pagedweight.paged_runtime import PagedRuntime
     from pagedweight.patches.server_args import get_config
 
     cfg = get_config(model_runner.server_args)
@@ -32,8 +34,10 @@ def load_model_after(result, model_runner, *args, **kwargs):
             "--enable-paged-weight: the model was loaded but no FusedMoE layer uses the paged-weight method; "
             "this model's MoE layers are not built on SGLang's FusedMoE"
         )
-    model_runner._paged_weight_stores = stores
-    logger.info(summary_line(stores))
+    device = stores[0].w13.page_table.device
+    runtime = PagedRuntime.build(cfg, stores, device)
+    model_runner._paged_weight_runtime = runtime
+    logger.info(summary_line(runtime))
     return result
 
 
@@ -45,16 +49,17 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def summary_line(stores: list) -> str:
-    resident = sum(s.resident_bytes() for s in stores)
+def summary_line(runtime) -> str:
+    stores = runtime.stores
+    resident = runtime.weight_bytes()
     bf16 = sum(s.bf16_bytes() for s in stores)
-    blocks = sum(s.w13.num_experts + s.w2.num_experts for s in stores)
-    bits = sorted({b for s in stores for p in (s.w13, s.w2) for b in p.committed})
-    host = sum(s.w13.host_bytes() + s.w2.host_bytes() for s in stores)
+    hist = runtime.committed_bits_histogram()
+    host = sum(s.host_bytes() for s in stores)
     return (
-        f"PagedWeight: {len(stores)} MoE layers, {blocks} expert blocks at {'/'.join(map(str, bits))} bits; "
-        f"expert weights on device {format_bytes(resident)} (bf16 would be {format_bytes(bf16)}, "
-        f"{resident / max(bf16, 1):.1%}); parent planes in host memory {format_bytes(host)}"
+        f"PagedWeight: {len(stores)} MoE layers, {len(runtime.table)} expert blocks at "
+        f"{'/'.join(map(str, hist))} bits; expert weights on device {format_bytes(resident)} (bf16 would be "
+        f"{format_bytes(bf16)}, {resident / max(bf16, 1):.1%}); at the floor bitwidths "
+        f"{format_bytes(runtime.bytes_at_floor())}; parent planes in host memory {format_bytes(host)}"
     )
 
 

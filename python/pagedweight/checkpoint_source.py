@@ -26,8 +26,6 @@ class CheckpointLayerSource(LayerSource):
     def __init__(self, cfg: PagedWeightConfig, ap_dir: str, server_args: Any):
         self.cfg = cfg
         self.ckpt = APCheckpoint.open(ap_dir)
-        self.bits = cfg.bits if cfg.bits is not None else self.ckpt.bits_max
-        self.ckpt.spec(self.ckpt.names()[0]).check_bits(self.bits)
 
     def load_layer(self, layer: torch.nn.Module, device: torch.device) -> MoELayerStore:
         experts, hidden, inter_p = layer_geometry(layer)
@@ -53,13 +51,11 @@ class CheckpointLayerSource(LayerSource):
             w2_host.append(self._w2(down, d_spec, tp_rank, inter_p, pin))
             w13_spec = BlockSpec(2 * inter_p, hidden, g_spec.bits_min, g_spec.bits_max, g_spec.table_kind, g_spec.group_size)
             w2_spec = BlockSpec(hidden, inter_p, d_spec.bits_min, d_spec.bits_max, d_spec.table_kind, d_spec.group_size)
-        store = MoELayerStore(
+        return MoELayerStore(
             lid,
-            ProjectionStore(f"layer{lid}.w13", w13_spec, w13_host, device),
-            ProjectionStore(f"layer{lid}.w2", w2_spec, w2_host, device),
+            ProjectionStore(f"layer{lid}.w13", "w13", w13_spec, w13_host, device),
+            ProjectionStore(f"layer{lid}.w2", "w2", w2_spec, w2_host, device),
         )
-        store.commit_all(self.bits)
-        return store
 
     def _w13(self, gate: str, up: str, rows: slice, pin: bool) -> ExpertPlanes:
         kind = self.ckpt.table_kind

@@ -13,7 +13,9 @@ from typing import Any, Optional
 
 SERVER_ARGS_ATTR = "_paged_weight"
 AP_SUBDIR = "pagedweight"
-POLICIES = ("static", "quality", "hotness")
+# "auto": quality when the AP checkpoint has a calibration file, else hotness. "scripted": a deterministic
+# lowest-layer-first policy (tests, mechanism experiments).
+POLICIES = ("auto", "static", "quality", "hotness", "scripted")
 
 
 class PagedWeightConfigError(ValueError):
@@ -27,7 +29,15 @@ class PagedWeightConfig:
     path: Optional[str] = None
     # Initial committed bitwidth of every expert block; None -> the checkpoint's parent bitwidth.
     bits: Optional[int] = None
-    policy: str = "static"
+    policy: str = "auto"
+    # Lowest bitwidth the policy may commit (None: the checkpoint's seed bitwidth).
+    floor_bits: Optional[int] = None
+    # KV pressure: offload when free KV blocks fall below low * capacity; reload once they stay above
+    # high * capacity (hysteresis).
+    kv_low_watermark: float = 0.05
+    kv_high_watermark: float = 0.25
+    # Back-pressure on host->device plane copies in flight.
+    max_inflight_mib: int = 256
     # Hash every AP file against the manifest before serving (off: only sizes and headers are checked).
     verify: bool = True
     # Fill freed plane memory with NaN bytes before reuse, so a stale read shows up as NaN logits.
@@ -38,6 +48,19 @@ class PagedWeightConfig:
             raise PagedWeightConfigError(
                 f"--paged-weight-bits must be between 1 and 8 (and inside the checkpoint's stored range), got {self.bits}"
             )
+        if self.floor_bits is not None and not 1 <= self.floor_bits <= 8:
+            raise PagedWeightConfigError(f"--paged-weight-min-bits must be between 1 and 8, got {self.floor_bits}")
+        if self.floor_bits is not None and self.bits is not None and self.floor_bits > self.bits:
+            raise PagedWeightConfigError(
+                f"--paged-weight-min-bits {self.floor_bits} is above --paged-weight-bits {self.bits}; lower it"
+            )
+        if not 0.0 <= self.kv_low_watermark < self.kv_high_watermark <= 1.0:
+            raise PagedWeightConfigError(
+                "need 0 <= --paged-weight-kv-low-watermark < --paged-weight-kv-high-watermark <= 1, got "
+                f"{self.kv_low_watermark} and {self.kv_high_watermark}"
+            )
+        if self.max_inflight_mib <= 0:
+            raise PagedWeightConfigError(f"--paged-weight-max-inflight-mib must be positive, got {self.max_inflight_mib}")
         if self.policy not in POLICIES:
             raise PagedWeightConfigError(f"--paged-weight-policy must be one of {POLICIES}, got {self.policy!r}")
         if not self.enable and (self.path is not None or self.bits is not None):
@@ -66,6 +89,10 @@ _KWARG_TO_FIELD = {
     "paged_weight_path": "path",
     "paged_weight_bits": "bits",
     "paged_weight_policy": "policy",
+    "paged_weight_min_bits": "floor_bits",
+    "paged_weight_kv_low_watermark": "kv_low_watermark",
+    "paged_weight_kv_high_watermark": "kv_high_watermark",
+    "paged_weight_max_inflight_mib": "max_inflight_mib",
     "paged_weight_debug_poison": "debug_poison",
     "paged_weight_verify": "verify",
 }
@@ -93,9 +120,33 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--paged-weight-policy",
         type=str,
-        default="static",
+        default="auto",
         choices=POLICIES,
-        help="Bitwidth policy under KV-cache pressure.",
+        help="Bitwidth policy under KV-cache pressure (auto: quality with a calibration file, else hotness).",
+    )
+    group.add_argument(
+        "--paged-weight-min-bits",
+        type=int,
+        default=None,
+        help="Lowest bitwidth a policy may commit (default: the checkpoint's seed bitwidth).",
+    )
+    group.add_argument(
+        "--paged-weight-kv-low-watermark",
+        type=float,
+        default=0.05,
+        help="Offload expert planes when free KV blocks fall below this fraction of the KV capacity.",
+    )
+    group.add_argument(
+        "--paged-weight-kv-high-watermark",
+        type=float,
+        default=0.25,
+        help="Reload planes once free KV blocks stay above this fraction of the KV capacity.",
+    )
+    group.add_argument(
+        "--paged-weight-max-inflight-mib",
+        type=int,
+        default=256,
+        help="Cap on host-to-device plane copies in flight (MiB).",
     )
     group.add_argument(
         "--paged-weight-verify",

@@ -64,7 +64,6 @@ class DummyLayerSource(LayerSource):
 
     def __init__(self, cfg: PagedWeightConfig):
         self.cfg = cfg
-        self.bits = cfg.bits if cfg.bits is not None else DUMMY_BITS_MAX
 
     def _projection(self, name: str, n: int, k: int, experts: int, device: torch.device, seed: int) -> ProjectionStore:
         spec = BlockSpec(n, k, DUMMY_BITS_MIN, DUMMY_BITS_MAX, "bcq", group_size_for(k))
@@ -78,15 +77,13 @@ class DummyLayerSource(LayerSource):
                 t[p] = 0.02 * 0.5**p
             tables[b] = _pin(t, device)
         shared = ExpertPlanes(_pin(planes, device), tables)
-        return ProjectionStore(name, spec, [shared] * experts, device)
+        return ProjectionStore(name, name.rsplit(".", 1)[1], spec, [shared] * experts, device)
 
     def load_layer(self, layer: torch.nn.Module, device: torch.device) -> MoELayerStore:
         experts, hidden, inter = layer_geometry(layer)
         lid = layer.layer_id
-        store = MoELayerStore(
+        return MoELayerStore(
             lid,
             self._projection(f"layer{lid}.w13", 2 * inter, hidden, experts, device, seed=2 * lid),
             self._projection(f"layer{lid}.w2", hidden, inter, experts, device, seed=2 * lid + 1),
         )
-        store.commit_all(self.bits)
-        return store

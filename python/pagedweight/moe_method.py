@@ -79,6 +79,8 @@ class PagedWeightMoEMethod(FusedMoEMethodBase):
         x = dispatch_output.hidden_states
         topk_weights, topk_ids, _ = dispatch_output.topk_output
         cfg = self.moe_runner_config
+        # Routing-weight mass per expert (eq. 1), on the device; policies read it between iterations.
+        self.store.routing_mass.index_add_(0, topk_ids.reshape(-1).long(), topk_weights.reshape(-1).float())
         out = ap_fused_moe(
             x,
             topk_weights,
@@ -99,4 +101,5 @@ class LayerSource(abc.ABC):
 
     @abc.abstractmethod
     def load_layer(self, layer: torch.nn.Module, device: torch.device) -> MoELayerStore:
-        """Build the layer's store with every expert committed at the configured bitwidth."""
+        """Build the layer's store (host planes and tables, an empty device page table); the runtime loads
+        the device planes once the whole model is built."""

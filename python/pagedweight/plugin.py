@@ -10,8 +10,9 @@ from __future__ import annotations
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from pagedweight.patches import fused_moe, model_runner, server_args
+    from pagedweight.patches import fused_moe, model_runner, scheduler, server_args
 
     server_args.register(HookRegistry, HookType)
     fused_moe.register(HookRegistry, HookType)
     model_runner.register(HookRegistry, HookType)
+    scheduler.register(HookRegistry, HookType)

@@ -92,6 +92,15 @@ class MemoryBudget:
             raise ValueError(f"cannot release {nbytes} B of {kind}: only {self._used[kind]} B are in use")
         self._used[kind] -= nbytes
 
+    def add_capacity(self, kind: Kind, nbytes: int) -> None:
+        """Grow the total by memory that already exists and belongs to `kind` (e.g. the KV pool SGLang
+        allocated after the weights were budgeted): total and used(kind) both rise, free is unchanged."""
+        kind = self._kind(kind)
+        if nbytes < 0:
+            raise ValueError(f"cannot add a negative byte count ({nbytes})")
+        self.total += nbytes
+        self._used[kind] += nbytes
+
     def set_fixed(self, nbytes: int) -> bool:
         """Re-measure the fixed part (e.g. after CUDA graph capture); False when it no longer fits."""
         if nbytes < 0:

@@ -1,22 +1,26 @@
-"""Resident AP planes and tables of one MoE layer, and the device page table the kernel reads.
+"""One MoE layer's expert weights as the kernels and the pager see them.
 
-One `ProjectionStore` per MoE layer and projection (w13 = gate||up concatenated along N, w2 = down).
-The parent planes of every expert stay in host memory (pinned on CUDA machines); the device holds only the
-first q_e planes of expert e and its q_e-bit table, so device memory follows the committed bitwidths.
-
-Device page table (contract with pagedweight.kernels): int64 [E, 2 + P], row e =
-[q_e, table_addr_e, plane_addr_e_0, ..., plane_addr_e_{P-1}] (0 for planes not resident). The tensor is
-allocated once and only its contents change, so CUDA graphs that captured its address stay valid.
+One `ProjectionStore` per MoE layer and projection (w13 = gate||up concatenated along N, w2 = down) holds:
+- the parent planes and every bitwidth's table of each expert in host memory (pinned on CUDA machines):
+  the source of every reload;
+- the device page table the kernel reads, int64 [E, 2 + P], row e = [q_e, table_addr_e,
+  plane_addr_e_0, ..., plane_addr_e_{P-1}] (0 for planes not resident). It is allocated once and only its
+  contents change (the pager's DevicePageTableMirror writes them at safe boundaries), so CUDA graphs that
+  captured its address stay valid;
+- a resident-view function (set by the runtime) that turns a row back into tensors for the CPU path.
+Device planes themselves live in the pager's arena, never here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from pagedweight.format.layout import BlockSpec
+
+ResidentFn = Callable[[int], tuple[list[torch.Tensor], torch.Tensor]]
 
 
 @dataclass
@@ -30,17 +34,15 @@ class ExpertPlanes:
 @dataclass
 class ProjectionStore:
     name: str  # e.g. "layer3.w13"
+    proj: str  # "w13" or "w2"
     spec: BlockSpec  # per-expert block
     host: list[ExpertPlanes]
     device: torch.device
     page_table: torch.Tensor = field(init=False)
-    committed: list[int] = field(init=False)
-    _dev_planes: list[list[Optional[torch.Tensor]]] = field(init=False)
-    _dev_tables: list[Optional[torch.Tensor]] = field(init=False)
+    _resident_fn: Optional[ResidentFn] = field(init=False, default=None)
     _kernel_weights: Optional[object] = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        e, p = len(self.host), self.spec.bits_max
         for i, ex in enumerate(self.host):
             if tuple(ex.planes.shape) != self.spec.planes_shape():
                 raise ValueError(
@@ -50,41 +52,23 @@ class ProjectionStore:
             missing = [b for b in self.spec.bitwidths if b not in ex.tables]
             if missing:
                 raise ValueError(f"{self.name}: expert {i} has no table for bitwidths {missing}")
-        self.page_table = torch.zeros((e, 2 + p), dtype=torch.int64, device=self.device)
-        self.committed = [0] * e
-        self._dev_planes = [[None] * p for _ in range(e)]
-        self._dev_tables = [None] * e
-        self._kernel_weights = None
+        self.page_table = torch.zeros((len(self.host), 2 + self.spec.bits_max), dtype=torch.int64, device=self.device)
 
     @property
     def num_experts(self) -> int:
         return len(self.host)
 
-    def commit(self, expert: int, bits: int) -> None:
-        """Make expert `expert` serve at `bits`: load missing planes and the table, free the rest.
+    def set_resident_fn(self, fn: ResidentFn) -> None:
+        self._resident_fn = fn
 
-        Synchronous version used at load time and on CPU; the run-time pager orders the same steps
-        asynchronously (lower q before freeing, copy before raising q).
-        """
-        self.spec.check_bits(bits)
-        host = self.host[expert]
-        planes = self._dev_planes[expert]
-        for p in range(self.spec.bits_max):
-            if p < bits and planes[p] is None:
-                planes[p] = host.planes[p].to(self.device, non_blocking=True).contiguous()
-            elif p >= bits:
-                planes[p] = None
-        self._dev_tables[expert] = host.tables[bits].to(self.device, non_blocking=True).contiguous()
-        self.committed[expert] = bits
-        self._write_row(expert)
-
-    def _write_row(self, expert: int) -> None:
-        row = [self.committed[expert], self._dev_tables[expert].data_ptr()]
-        row += [t.data_ptr() if t is not None else 0 for t in self._dev_planes[expert]]
-        self.page_table[expert].copy_(torch.tensor(row, dtype=torch.int64), non_blocking=False)
+    def resident(self, expert: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Device planes (first q) and q-bit table of an expert, as its page-table row says."""
+        if self._resident_fn is None:
+            raise RuntimeError(f"{self.name}: planes are not loaded (the PagedWeight runtime was not started)")
+        return self._resident_fn(expert)
 
     def kernel_weights(self):
-        """The kernel's view: the fixed-address page table plus shape facts (built once, rows change)."""
+        """The kernel's view: the fixed-address page table plus shape facts (built once; rows change)."""
         if self._kernel_weights is None:
             from pagedweight.kernels.weights import APMoEWeights
 
@@ -100,22 +84,15 @@ class ProjectionStore:
             )
         return self._kernel_weights
 
-    def resident(self, expert: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The device planes (first q) and table of an expert, for the CPU reference path."""
-        q = self.committed[expert]
-        return [t for t in self._dev_planes[expert][:q]], self._dev_tables[expert]
-
-    def resident_bytes(self) -> int:
-        n = 0
-        for planes, table in zip(self._dev_planes, self._dev_tables):
-            n += sum(t.numel() for t in planes if t is not None)
-            n += table.numel() * table.element_size() if table is not None else 0
-        return n
-
     def host_bytes(self) -> int:
-        return sum(
-            ex.planes.numel() + sum(t.numel() * t.element_size() for t in ex.tables.values()) for ex in self.host
-        )
+        seen: set[int] = set()  # dummy stores share one host copy between experts
+        n = 0
+        for ex in self.host:
+            if ex.planes.data_ptr() in seen:
+                continue
+            seen.add(ex.planes.data_ptr())
+            n += ex.planes.numel() + sum(t.numel() * t.element_size() for t in ex.tables.values())
+        return n
 
     def bf16_bytes(self) -> int:
         return self.num_experts * self.spec.out_features * self.spec.in_features * 2
@@ -123,19 +100,24 @@ class ProjectionStore:
 
 @dataclass
 class MoELayerStore:
-    """Both projections of one FusedMoE layer."""
+    """Both projections of one FusedMoE layer, plus its routing statistics."""
 
     layer_id: int
     w13: ProjectionStore
     w2: ProjectionStore
+    # Routing-weight mass per expert since start (eq. 1's numerator), accumulated on the device by the
+    # MoE forward; read by the runtime a few times a second, never on the forward path.
+    routing_mass: torch.Tensor = field(init=False)
 
-    def commit_all(self, bits: int) -> None:
-        for proj in (self.w13, self.w2):
-            for e in range(proj.num_experts):
-                proj.commit(e, bits)
+    def __post_init__(self) -> None:
+        self.routing_mass = torch.zeros(self.w13.num_experts, dtype=torch.float32, device=self.w13.device)
 
-    def resident_bytes(self) -> int:
-        return self.w13.resident_bytes() + self.w2.resident_bytes()
+    @property
+    def projections(self) -> tuple[ProjectionStore, ProjectionStore]:
+        return (self.w13, self.w2)
 
     def bf16_bytes(self) -> int:
         return self.w13.bf16_bytes() + self.w2.bf16_bytes()
+
+    def host_bytes(self) -> int:
+        return self.w13.host_bytes() + self.w2.host_bytes()

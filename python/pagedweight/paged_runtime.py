@@ -1,0 +1,133 @@
+"""PagedWeight's per-process runtime: the page table, plane arena, budget and pager over every MoE layer.
+
+Built once the model is loaded (patches/model_runner.py), before SGLang sizes its KV cache, so the device
+bytes of the committed planes are already taken when SGLang measures free memory. The scheduler side
+(patches/scheduler.py) then adds the KV pressure signal, the policy and the elastic KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pagedweight.config import PagedWeightConfig
+from pagedweight.runtime.arena import CudaVmmPlaneArena, HostPlaneArena, PlaneArena
+from pagedweight.runtime.blocks import BlockKey
+from pagedweight.runtime.budget import MemoryBudget
+from pagedweight.runtime.copier import TorchCopier
+from pagedweight.runtime.expert_store import MoELayerStore, ProjectionStore
+from pagedweight.runtime.fences import CudaEventFenceFactory, ImmediateFenceFactory
+from pagedweight.runtime.page_table import WeightPageTable, arena_size_classes
+from pagedweight.runtime.pager import Pager, PagerConfig
+
+logger = logging.getLogger("pagedweight")
+
+
+class StoreHostWeights:
+    """pager.HostWeights over the layer stores: block_id -> that expert's host planes and tables."""
+
+    def __init__(self, index: list[tuple[ProjectionStore, int]]):
+        self._index = index
+
+    def host_planes(self, block_id: int) -> torch.Tensor:
+        store, e = self._index[block_id]
+        return store.host[e].planes
+
+    def host_table(self, block_id: int, bits: int) -> torch.Tensor:
+        store, e = self._index[block_id]
+        return store.host[e].tables[bits]
+
+
+@dataclass
+class PagedRuntime:
+    cfg: PagedWeightConfig
+    stores: list[MoELayerStore]
+    table: WeightPageTable
+    arena: PlaneArena
+    budget: MemoryBudget
+    pager: Pager
+    block_index: list[tuple[ProjectionStore, int]]  # block_id -> (store, expert)
+    initial_bits: int
+
+    @classmethod
+    def build(cls, cfg: PagedWeightConfig, stores: list[MoELayerStore], device: torch.device) -> "PagedRuntime":
+        index: list[tuple[ProjectionStore, int]] = []
+        blocks: list[tuple[BlockKey, object]] = []
+        for layer in stores:
+            for proj in layer.projections:
+                for e in range(proj.num_experts):
+                    index.append((proj, e))
+                    blocks.append((BlockKey(layer.layer_id, e, proj.proj), proj.spec))
+        spec0 = blocks[0][1]
+        bits = cfg.bits if cfg.bits is not None else spec0.bits_max
+        table = WeightPageTable(blocks, initial_bits=bits, floor_bits=cfg.floor_bits)
+        classes = arena_size_classes(table)
+        if device.type == "cuda":
+            arena: PlaneArena = CudaVmmPlaneArena(classes, device_id=device.index or 0, poison=cfg.debug_poison)
+            fences = CudaEventFenceFactory(torch.cuda.current_stream(device))
+        else:
+            arena = HostPlaneArena(classes, poison=cfg.debug_poison)
+            fences = ImmediateFenceFactory()
+        want = sum(row.bytes_at(row.desired_bits) for row in table)
+        staging = max(row.spec.table_bytes(row.spec.bits_max) for row in table)
+        # The weights' share of the budget; the KV side adds its bytes when the scheduler attaches it.
+        budget = MemoryBudget(total_bytes=want + staging, fixed_bytes=0)
+        pager = Pager(
+            table,
+            arena,
+            budget,
+            StoreHostWeights(index),
+            TorchCopier.for_device(device),
+            fences,
+            config=PagerConfig(max_inflight_bytes=cfg.max_inflight_mib << 20, staging_bytes=staging),
+        )
+        for layer in stores:
+            for proj in layer.projections:
+                pager.mirror.bind(layer.layer_id, proj.proj, proj.page_table)
+        runtime = cls(cfg, stores, table, arena, budget, pager, index, bits)
+        for block_id, (proj, e) in enumerate(index):
+            if e == 0:
+                first = block_id
+                proj.set_resident_fn(lambda expert, _first=first: pager.resident(_first + expert))
+        sync = torch.cuda.synchronize if device.type == "cuda" else None
+        pager.drain(wait=sync)
+        if sync:
+            sync()
+        return runtime
+
+    # -- accounting for the log line and the state endpoint -----------------------------------------
+
+    def weight_bytes(self) -> int:
+        return self.table.resident_bytes()
+
+    def bytes_at_floor(self) -> int:
+        return sum(row.bytes_at(row.floor_bits) for row in self.table)
+
+    def committed_bits_histogram(self) -> dict[int, int]:
+        hist: dict[int, int] = {}
+        for row in self.table:
+            hist[row.committed_bits] = hist.get(row.committed_bits, 0) + 1
+        return dict(sorted(hist.items()))
+
+    def routing_mass(self) -> dict[tuple[int, int], float]:
+        """(layer, expert) -> routing-weight mass since start (one device->host copy per layer)."""
+        out: dict[tuple[int, int], float] = {}
+        for layer in self.stores:
+            for e, m in enumerate(layer.routing_mass.tolist()):
+                out[(layer.layer_id, e)] = m
+        return out
+
+    def state(self, include_blocks: bool = True) -> dict:
+        return {
+            "initial_bits": self.initial_bits,
+            "committed_bits_histogram": {str(k): v for k, v in self.committed_bits_histogram().items()},
+            "weights_bytes_at_floor": self.bytes_at_floor(),
+            **self.pager.state(include_blocks=include_blocks),
+        }
+
+
+def find_runtime(model_runner) -> Optional[PagedRuntime]:
+    return getattr(model_runner, "_paged_weight_runtime", None)

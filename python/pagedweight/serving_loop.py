@@ -1,0 +1,138 @@
+"""PagedWeight inside SGLang's scheduler loop: pressure -> policy -> pager, once per iteration.
+
+`PagedWeightScheduler.step` runs at the top of every `Scheduler.get_next_batch_to_run`, which is the safe
+boundary: in the normal loop the previous forward has been launched and its results processed; in the
+overlap loop forward k is in flight on the forward stream while batch k+1 is being prepared. Device
+page-table writes are enqueued on the forward stream there, so forward k reads the old rows and forward
+k+1 the new ones, and the fence recorded after them tells the pager when forward k (the last reader of
+freed planes) is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from pagedweight.config import PagedWeightConfig
+from pagedweight.paged_runtime import PagedRuntime
+from pagedweight.runtime.controller import PagingController
+from pagedweight.runtime.planner_api import Observation, Policy, ScriptedPolicy
+from pagedweight.runtime.pressure import KVPressureSignal
+
+logger = logging.getLogger("pagedweight")
+
+# Routing statistics are copied from the device at most this often (the copy waits for the forward).
+ROUTING_REFRESH_S = 0.5
+
+
+def make_runtime_policy(cfg: PagedWeightConfig, ap_dir: Optional[str]) -> Policy:
+    import os
+
+    from pagedweight.planner.factory import make_policy
+
+    name = cfg.policy
+    calib = None
+    if ap_dir is not None:
+        for cand in (os.path.join(ap_dir, "calibration.json"), os.path.join(ap_dir, "pagedweight", "calibration.json")):
+            if os.path.isfile(cand):
+                calib = cand
+                break
+    if name == "auto":
+        name = "quality" if calib is not None else "hotness"
+    if name == "scripted":
+        return ScriptedPolicy()
+    return make_policy(name, calib)
+
+
+@dataclass
+class PagedWeightScheduler:
+    runtime: PagedRuntime
+    controller: PagingController
+    page_size: int
+    capacity_blocks: int
+    forward_stream: Any = None
+    iteration: int = 0
+    started_s: float = field(default_factory=time.monotonic)
+    _routing: dict = field(default_factory=dict)
+    _routing_at: float = -1.0
+
+    @classmethod
+    def attach(cls, scheduler: Any, runtime: PagedRuntime, kv: Any = None) -> "PagedWeightScheduler":
+        cfg = runtime.cfg
+        page = scheduler.page_size
+        kv_cache = scheduler.token_to_kv_pool_allocator.get_kvcache()
+        bytes_per_token = _kv_bytes_per_token(kv_cache)
+        capacity_blocks = scheduler.max_total_num_tokens // page
+        low = max(1, math.ceil(cfg.kv_low_watermark * capacity_blocks))
+        high = max(low + 1, math.ceil(cfg.kv_high_watermark * capacity_blocks))
+        signal = KVPressureSignal(low, bytes_per_token * page, high)
+        runtime.budget.add_capacity("kv", scheduler.max_total_num_tokens * bytes_per_token)
+        ap_dir = None if scheduler.server_args.load_format == "dummy" else cfg.resolve_ap_dir(scheduler.server_args.model_path)
+        policy = make_runtime_policy(cfg, ap_dir)
+        controller = PagingController(runtime.pager, policy, signal, kv=kv)
+        if kv is not None:
+            runtime.pager.on_bytes_freed = kv.grow
+        stream = getattr(scheduler, "forward_stream", None) if torch.cuda.is_available() else None
+        logger.info(
+            "PagedWeight: policy %s, KV %d tokens x %d B/token, offload below %d free blocks, reload above %d",
+            type(policy).__name__, scheduler.max_total_num_tokens, bytes_per_token, low, high,
+        )
+        return cls(runtime, controller, page, capacity_blocks, stream)
+
+    def step(self, scheduler: Any) -> None:
+        self.iteration += 1
+        allocator = scheduler.token_to_kv_pool_allocator
+        avail_blocks = allocator.available_size() // self.page_size
+        evictable_blocks = scheduler.tree_cache.evictable_size() // self.page_size
+        obs = Observation(
+            iteration=self.iteration,
+            now_s=time.monotonic() - self.started_s,
+            routing_counts=self._routing_counts(),
+        )
+        ctx = torch.cuda.stream(self.forward_stream) if self.forward_stream is not None else nullcontext()
+        with ctx:
+            self.controller.step(avail_blocks, evictable_blocks, obs)
+
+    def _routing_counts(self) -> dict:
+        now = time.monotonic()
+        if now - self._routing_at >= ROUTING_REFRESH_S:
+            self._routing = self.runtime.routing_mass()
+            self._routing_at = now
+        return self._routing
+
+    def state(self) -> dict:
+        sig = self.controller.signal
+        return {
+            "iteration": self.iteration,
+            "policy": type(self.controller.policy).__name__,
+            "kv": {
+                "capacity_blocks": self.capacity_blocks,
+                "page_size": self.page_size,
+                "offload_below_blocks": sig.threshold_blocks,
+                "reload_above_blocks": sig.relax_blocks,
+                "bytes_per_block": sig.bytes_per_block,
+                "offload_signals": sig.offload_signals,
+                "relax_signals": sig.relax_signals,
+            },
+            **self.runtime.state(include_blocks=True),
+        }
+
+
+def _kv_bytes_per_token(kv_cache: Any) -> int:
+    """Bytes one token occupies across every layer's K and V buffers of SGLang's KV pool."""
+    total = 0
+    for name in ("k_buffer", "v_buffer", "kv_buffer"):
+        bufs = getattr(kv_cache, name, None)
+        if bufs is None:
+            continue
+        for b in bufs:
+            total += b[0].numel() * b.element_size()
+    if total == 0:
+        raise RuntimeError(f"cannot measure bytes per token of KV pool {type(kv_cache).__name__}")
+    return total
