@@ -202,10 +202,12 @@ def calibrate_model(model, tokenizer, blocks: APBlocks, text: str, options: Cali
         raise ValueError("MoE layers with different expert counts are not supported by calibration")
     prompts = prompts_from_text(text, tokenizer, options)
     model.eval()
+    # The decoder alone produces every MoE input; skipping the LM head saves its vocab-sized matmul.
+    decoder = getattr(model, "model", model)
     with RoutedCapture(layers) as cap, torch.inference_mode():
         for i, ids in enumerate(tqdm(prompts, desc="calibrate: forward", disable=not progress)):
             cap.prompt_index = i
-            model(input_ids=torch.tensor([ids]), use_cache=False)
+            decoder(input_ids=torch.tensor([ids]), use_cache=False)
     masses = np.full((num_layers, num_experts), 1.0 / num_experts)
     ref_norm = np.full((num_layers, num_experts, NUM_FEATURES), np.nan)
     sensitivity: dict = {}
