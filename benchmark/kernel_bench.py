@@ -155,15 +155,53 @@ class TorchBf16MoE:
 
 
 def sweep_candidates(base13: APKernelConfig, base2: APKernelConfig) -> list[tuple[str, APKernelConfig, APKernelConfig]]:
-    c = []
-    for bn, nw, st in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (64, 8, 3)):
-        v = APKernelConfig(block_m=base13.block_m, block_n=bn, block_k=base13.block_k, num_warps=nw, num_stages=st)
-        c.append((f"w13:bn{bn}w{nw}s{st}", v, base2))
-    for bn, sk, nw, st in ((32, 1, 4, 2), (64, 2, 4, 2), (64, 4, 4, 2), (128, 2, 8, 2), (64, 8, 4, 3)):
-        split = max(1, base2.split_k * sk // 2) if sk != 1 else base2.split_k
-        v = APKernelConfig(block_m=base2.block_m, block_n=bn, block_k=base2.block_k, split_k=split, num_warps=nw, num_stages=st)
-        c.append((f"w2:bn{bn}k{split}w{nw}s{st}", base13, v))
-    return c
+    """Launch-config variants (w2's split_k stays at the default's)."""
+    from dataclasses import replace
+
+    out = []
+    if base13.block_m <= 32:  # decode
+        variants = [
+            dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, maxnreg=128),
+            dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, maxnreg=96),
+            dict(block_n=64, num_warps=4, num_stages=1, prefetch=False, maxnreg=128),
+            dict(block_n=64, num_warps=4, num_stages=2, prefetch=False, maxnreg=128),
+            dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, maxnreg=None),
+            dict(block_n=128, num_warps=8, num_stages=1, prefetch=True, maxnreg=128),
+        ]
+        fused = [dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, maxnreg=None, fuse_gate_up=True),
+                 dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, maxnreg=128, fuse_gate_up=True)]
+    else:  # prefill
+        variants = [
+            dict(block_m=128, block_n=128, num_warps=8, num_stages=2, prefetch=False, maxnreg=None),
+            dict(block_m=256, block_n=64, num_warps=8, num_stages=2, prefetch=False, maxnreg=None),
+            dict(block_m=256, block_n=128, num_warps=8, num_stages=2, prefetch=False, maxnreg=None),
+            dict(block_m=64, block_n=128, num_warps=4, num_stages=2, prefetch=False, maxnreg=None),
+        ]
+        fused = [dict(v, fuse_gate_up=True) for v in variants]
+    for v in variants + fused:
+        c13 = replace(base13, **{"fuse_gate_up": False, **v})
+        c2 = replace(base2, **{k: val for k, val in v.items() if k != "fuse_gate_up"})
+        name = ("fused:" if v.get("fuse_gate_up") else "split:") + ",".join(
+            f"{k.replace('block_', 'b').replace('num_', '')}={val}" for k, val in v.items() if k != "fuse_gate_up")
+        out.append((name, c13, c2))
+    return out
+
+
+def profile_one(args) -> None:
+    """One eager call per kernel of one case, for `ncu` (no graphs, no flush)."""
+    dev = torch.device("cuda")
+    model = MODELS[args.models.split(",")[0]]
+    E, topk, H, I = model["E"], model["topk"], model["H"], model["I"]
+    M = int(args.ms.split(",")[0])
+    kind = args.kinds.split(",")[0]
+    case = args.cases.split(",")[0]
+    p13 = random_ap_projection(E, 2 * I, H, case_bits(case, E, "w13"), table_kind=kind, group_size=GROUP, bits_min=2, device=dev)
+    p2 = random_ap_projection(E, H, I, case_bits(case, E, "w2"), table_kind=kind, group_size=GROUP, bits_min=2, device=dev)
+    x = torch.randn((M, H), device=dev, dtype=torch.bfloat16)
+    tw, ids = make_routing(M, E, topk, model["renormalize"], M, dev)
+    for _ in range(3):
+        ap_fused_moe(x, tw, ids, p13.weights, p2.weights)
+    torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -184,7 +222,10 @@ def main() -> None:
     ap.add_argument("--max-reps", type=int, default=200)
     ap.add_argument("--time-budget-s", type=float, default=420.0, help="stop starting new cases after this")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile-one", action="store_true", help="3 eager calls of the first model/M/kind/case (for ncu)")
     args = ap.parse_args()
+    if args.profile_one:
+        return profile_one(args)
     T0 = time.time()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     dev = torch.device("cuda")
@@ -290,6 +331,8 @@ def main() -> None:
                     if (args.sweep and kind == "bcq" and case == "u4" and M in sweep_ms
                             and time.time() - T0 < args.time_budget_s):
                         for name, s13, s2 in sweep_candidates(c13, c2):
+                            if s13.block_m * 2 > max(16, M * topk) * 2 and s13.block_m > c13.block_m:
+                                continue  # wider blocks than the tokens per expert: pointless
                             sr = dict(model=mk, M=M, cand=name, cfg13=vars(s13), cfg2=vars(s2))
                             try:
                                 ap_fused_moe(x, tw, ids, w13, w2, configs=(s13, s2))
@@ -300,7 +343,7 @@ def main() -> None:
                                 sr.update(status="error", error=f"{type(e).__name__}: {e}"[:200])
                                 torch.cuda.synchronize()
                             sweeps.append(sr)
-                            print(f"   sweep {mk} M={M} {name:<22} {sr.get('us', float('nan')):9.1f} us {sr.get('error', '')}", flush=True)
+                            print(f"   sweep {mk} M={M} {name:<60} {sr.get('us', float('nan')):9.1f} us {sr.get('error', '')}", flush=True)
                     dump()
             # correctness at check_m, mixed bits, against the fp32 torch reference (dequantized experts)
             if args.check_m > 0:

@@ -12,15 +12,15 @@ import triton
 import triton.language as tl
 
 from pagedweight.kernels.config import APKernelConfig
-from pagedweight.kernels.triton_moe import _TL_DTYPE, _check_bk, compute_dtype
-from pagedweight.kernels.triton_tiles import load_row, tile_dot, tile_k_order, weight_tile
+from pagedweight.kernels.triton_moe import _TL_DTYPE, _check_bk, compute_dtype, permute_inputs
+from pagedweight.kernels.triton_tiles import load_row, plane_pointer, tile_dot, weight_tile
 from pagedweight.kernels.weights import APMoEWeights
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["row_index"])
 def _ap_linear_kernel(
     x_ptr, out_ptr, bias_ptr, pt_ptr, row_index,
-    M, N, K, G, stride_xm, stride_om, PT_STRIDE,
+    M, N, K, G: tl.constexpr, stride_xm, stride_om, PT_STRIDE,
     KIND: tl.constexpr, HAS_BIAS: tl.constexpr, P_MAX: tl.constexpr, SPLIT_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CD: tl.constexpr, USE_ASM: tl.constexpr, DOT_F32: tl.constexpr,
 ):
@@ -32,14 +32,23 @@ def _ap_linear_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     row, q, table = load_row(pt_ptr, row_index, PT_STRIDE)
-    korder = tile_k_order(BK, KIND)
+    p0 = plane_pointer(row, 0, q)  # plane addresses are loop invariant: read the row once
+    p1 = plane_pointer(row, 1, q) if P_MAX > 1 else p0
+    p2 = plane_pointer(row, 2, q) if P_MAX > 2 else p0
+    p3 = plane_pointer(row, 3, q) if P_MAX > 3 else p0
+    p4 = plane_pointer(row, 4, q) if P_MAX > 4 else p0
+    p5 = plane_pointer(row, 5, q) if P_MAX > 5 else p0
+    p6 = plane_pointer(row, 6, q) if P_MAX > 6 else p0
+    p7 = plane_pointer(row, 7, q) if P_MAX > 7 else p0
+    kk = tl.arange(0, BK)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for kt in range(pid_k, K // BK, SPLIT_K):
         k0 = kt * BK
-        xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + korder)[:, None],
+        xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + kk)[:, None],
                      mask=valid[None, :], other=0.0)
-        w = weight_tile(row, q, table, offs_n, mask_n, k0, N, K, G, KIND, BN, BK, P_MAX, CD, USE_ASM)
-        acc = tile_dot(w, xt.to(CD), acc, DOT_F32)
+        w = weight_tile(p0, p1, p2, p3, p4, p5, p6, p7, q, table, offs_n, mask_n, k0, N, K, G,
+                        KIND, BN, BK, P_MAX, CD, USE_ASM)
+        acc = tile_dot(w, xt, acc, DOT_F32)
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
@@ -61,12 +70,13 @@ def ap_linear_triton(
         out = torch.zeros(m, w.N, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(m, w.N, dtype=x.dtype, device=x.device)
+    xp = permute_inputs(x, w.table_kind, cd)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(w.N, cfg.block_n), cfg.split_k)
     _ap_linear_kernel[grid](
-        x, out, bias if bias is not None else out, w.page_table, row,
-        m, w.N, w.K, w.group_size, x.stride(0), out.stride(0), w.page_table.stride(0),
+        xp, out, bias if bias is not None else out, w.page_table, row,
+        m, w.N, w.K, w.group_size, xp.stride(0), out.stride(0), w.page_table.stride(0),
         KIND=0 if w.table_kind == "bcq" else 1, HAS_BIAS=bias is not None, P_MAX=w.bits_max, SPLIT_K=cfg.split_k,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, CD=_TL_DTYPE[cd], USE_ASM=use_asm, DOT_F32=not x.is_cuda,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **cfg.launch_options(x.is_cuda),
     )
     return out.to(x.dtype) if cfg.split_k > 1 else out

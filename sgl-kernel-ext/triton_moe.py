@@ -17,7 +17,15 @@ import triton.language as tl
 
 from pagedweight.kernels.align import MoEAlignment
 from pagedweight.kernels.config import APKernelConfig
-from pagedweight.kernels.triton_tiles import load_row, tile_dot, tile_k_order, weight_tile
+from pagedweight.kernels.triton_tiles import (
+    load_row,
+    permuted_position,
+    plane_pointer,
+    tile_dot,
+    tile_from_words,
+    tile_words,
+    weight_tile,
+)
 from pagedweight.kernels.weights import APMoEWeights
 
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -26,9 +34,10 @@ _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 @triton.jit
 def _ap_moe_w13_kernel(
     x_ptr, act_ptr, pt_ptr, tw_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr,
-    num_pairs, topk, I, K, G, stride_xm, stride_am, PT_STRIDE,
-    KIND: tl.constexpr, APPLY_W_IN: tl.constexpr, P_MAX: tl.constexpr,
+    num_pairs, topk, I, K, G: tl.constexpr, stride_xm, stride_am, PT_STRIDE,
+    KIND: tl.constexpr, KIND2: tl.constexpr, APPLY_W_IN: tl.constexpr, P_MAX: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CD: tl.constexpr, USE_ASM: tl.constexpr, DOT_F32: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -41,33 +50,138 @@ def _ap_moe_w13_kernel(
     valid = pairs < num_pairs
     tok = (pairs // topk).to(tl.int64)
     row, q, table = load_row(pt_ptr, e, PT_STRIDE)
+    p0 = plane_pointer(row, 0, q)  # plane addresses are loop invariant: read the row once
+    p1 = plane_pointer(row, 1, q) if P_MAX > 1 else p0
+    p2 = plane_pointer(row, 2, q) if P_MAX > 2 else p0
+    p3 = plane_pointer(row, 3, q) if P_MAX > 3 else p0
+    p4 = plane_pointer(row, 4, q) if P_MAX > 4 else p0
+    p5 = plane_pointer(row, 5, q) if P_MAX > 5 else p0
+    p6 = plane_pointer(row, 6, q) if P_MAX > 6 else p0
+    p7 = plane_pointer(row, 7, q) if P_MAX > 7 else p0
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < I
-    korder = tile_k_order(BK, KIND)
+    kk = tl.arange(0, BK)
     if APPLY_W_IN:
         rw = tl.load(tw_ptr + pairs, mask=valid, other=0.0)
     acc_g = tl.zeros([BN, BM], dtype=tl.float32)
     acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        xt = tl.load(x_ptr + tok[None, :] * stride_xm + (k0 + korder)[:, None], mask=valid[None, :], other=0.0)
-        if APPLY_W_IN:
-            xt = xt * rw[None, :]
-        xt = xt.to(CD)
-        wg = weight_tile(row, q, table, offs_n, mask_n, k0, 2 * I, K, G, KIND, BN, BK, P_MAX, CD, USE_ASM)
-        acc_g = tile_dot(wg, xt, acc_g, DOT_F32)
-        wu = weight_tile(row, q, table, offs_n + I, mask_n, k0, 2 * I, K, G, KIND, BN, BK, P_MAX, CD, USE_ASM)
-        acc_u = tile_dot(wu, xt, acc_u, DOT_F32)
+    if PREFETCH:
+        # registers double-buffer the plane words: step k+1's loads are in flight while step k computes
+        g0, g1, g2, g3, g4, g5, g6, g7 = tile_words(p0, p1, p2, p3, p4, p5, p6, p7, q, offs_n, mask_n, 0, K, True, BK, P_MAX)
+        u0, u1, u2, u3, u4, u5, u6, u7 = tile_words(p0, p1, p2, p3, p4, p5, p6, p7, q, offs_n + I, mask_n, 0, K, True, BK, P_MAX)
+        for k0 in range(0, K, BK):
+            more = k0 + BK < K
+            h0, h1, h2, h3, h4, h5, h6, h7 = tile_words(p0, p1, p2, p3, p4, p5, p6, p7, q, offs_n, mask_n, k0 + BK, K,
+                                                        more, BK, P_MAX)
+            v0, v1, v2, v3, v4, v5, v6, v7 = tile_words(p0, p1, p2, p3, p4, p5, p6, p7, q, offs_n + I, mask_n, k0 + BK, K,
+                                                        more, BK, P_MAX)
+            xt = tl.load(x_ptr + tok[None, :] * stride_xm + (k0 + kk)[:, None], mask=valid[None, :], other=0.0)
+            if APPLY_W_IN:
+                xt = (xt.to(tl.float32) * rw[None, :]).to(CD)
+            wg = tile_from_words(g0, g1, g2, g3, g4, g5, g6, g7, q, table, offs_n, mask_n, k0, 2 * I, K, G,
+                                 KIND, BN, BK, P_MAX, CD, USE_ASM)
+            acc_g = tile_dot(wg, xt, acc_g, DOT_F32)
+            wu = tile_from_words(u0, u1, u2, u3, u4, u5, u6, u7, q, table, offs_n + I, mask_n, k0, 2 * I, K, G,
+                                 KIND, BN, BK, P_MAX, CD, USE_ASM)
+            acc_u = tile_dot(wu, xt, acc_u, DOT_F32)
+            g0, g1, g2, g3, g4, g5, g6, g7 = h0, h1, h2, h3, h4, h5, h6, h7
+            u0, u1, u2, u3, u4, u5, u6, u7 = v0, v1, v2, v3, v4, v5, v6, v7
+    else:
+        for k0 in range(0, K, BK):
+            # x is stored permuted and in CD by the launcher: a contiguous tile
+            xt = tl.load(x_ptr + tok[None, :] * stride_xm + (k0 + kk)[:, None], mask=valid[None, :], other=0.0)
+            if APPLY_W_IN:
+                xt = (xt.to(tl.float32) * rw[None, :]).to(CD)
+            wg = weight_tile(p0, p1, p2, p3, p4, p5, p6, p7, q, table, offs_n, mask_n, k0, 2 * I, K, G,
+                             KIND, BN, BK, P_MAX, CD, USE_ASM)
+            acc_g = tile_dot(wg, xt, acc_g, DOT_F32)
+            wu = weight_tile(p0, p1, p2, p3, p4, p5, p6, p7, q, table, offs_n + I, mask_n, k0, 2 * I, K, G,
+                             KIND, BN, BK, P_MAX, CD, USE_ASM)
+            acc_u = tile_dot(wu, xt, acc_u, DOT_F32)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    ptrs = act_ptr + pairs[None, :].to(tl.int64) * stride_am + offs_n[:, None]
+    # written in the column order the w2 tiles expect (KIND2), so w2 loads contiguous tiles too
+    ptrs = act_ptr + pairs[None, :].to(tl.int64) * stride_am + permuted_position(offs_n, KIND2)[:, None]
     tl.store(ptrs, act.to(act_ptr.dtype.element_ty), mask=valid[None, :] & mask_n[:, None])
+
+
+@triton.jit
+def _ap_moe_w13_split_kernel(
+    x_ptr, h_ptr, pt_ptr, tw_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr,
+    num_pairs, topk, N, K, G: tl.constexpr, stride_xm, stride_hm, PT_STRIDE,
+    KIND: tl.constexpr, APPLY_W_IN: tl.constexpr, P_MAX: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CD: tl.constexpr, USE_ASM: tl.constexpr, DOT_F32: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """h[pair, n] = x[token] . W13_e[n] for BN of the 2I gate||up rows: one tile per program, half the
+    registers of the fused kernel, so twice the warps per SM hide the plane loads (decode)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BM >= tl.load(post_pad_ptr):
+        return
+    e = tl.load(expert_ids_ptr + pid_m)
+    if e < 0:
+        return
+    pairs = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
+    valid = pairs < num_pairs
+    tok = (pairs // topk).to(tl.int64)
+    row, q, table = load_row(pt_ptr, e, PT_STRIDE)
+    p0 = plane_pointer(row, 0, q)
+    p1 = plane_pointer(row, 1, q) if P_MAX > 1 else p0
+    p2 = plane_pointer(row, 2, q) if P_MAX > 2 else p0
+    p3 = plane_pointer(row, 3, q) if P_MAX > 3 else p0
+    p4 = plane_pointer(row, 4, q) if P_MAX > 4 else p0
+    p5 = plane_pointer(row, 5, q) if P_MAX > 5 else p0
+    p6 = plane_pointer(row, 6, q) if P_MAX > 6 else p0
+    p7 = plane_pointer(row, 7, q) if P_MAX > 7 else p0
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    kk = tl.arange(0, BK)
+    if APPLY_W_IN:
+        rw = tl.load(tw_ptr + pairs, mask=valid, other=0.0)
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    if PREFETCH:
+        w0, w1, w2, w3, w4, w5, w6, w7 = tile_words(p0, p1, p2, p3, p4, p5, p6, p7, q, offs_n, mask_n, 0, K, True, BK, P_MAX)
+        for k0 in range(0, K, BK):
+            h0, h1, h2, h3, h4, h5, h6, h7 = tile_words(p0, p1, p2, p3, p4, p5, p6, p7, q, offs_n, mask_n, k0 + BK, K,
+                                                        k0 + BK < K, BK, P_MAX)
+            xt = tl.load(x_ptr + tok[None, :] * stride_xm + (k0 + kk)[:, None], mask=valid[None, :], other=0.0)
+            if APPLY_W_IN:
+                xt = (xt.to(tl.float32) * rw[None, :]).to(CD)
+            w = tile_from_words(w0, w1, w2, w3, w4, w5, w6, w7, q, table, offs_n, mask_n, k0, N, K, G,
+                                KIND, BN, BK, P_MAX, CD, USE_ASM)
+            acc = tile_dot(w, xt, acc, DOT_F32)
+            w0, w1, w2, w3, w4, w5, w6, w7 = h0, h1, h2, h3, h4, h5, h6, h7
+    else:
+        for k0 in range(0, K, BK):
+            xt = tl.load(x_ptr + tok[None, :] * stride_xm + (k0 + kk)[:, None], mask=valid[None, :], other=0.0)
+            if APPLY_W_IN:
+                xt = (xt.to(tl.float32) * rw[None, :]).to(CD)
+            w = weight_tile(p0, p1, p2, p3, p4, p5, p6, p7, q, table, offs_n, mask_n, k0, N, K, G,
+                            KIND, BN, BK, P_MAX, CD, USE_ASM)
+            acc = tile_dot(w, xt, acc, DOT_F32)
+    ptrs = h_ptr + pairs[None, :].to(tl.int64) * stride_hm + offs_n[:, None]
+    tl.store(ptrs, acc.to(h_ptr.dtype.element_ty), mask=valid[None, :] & mask_n[:, None])
+
+
+@triton.jit
+def _silu_mul_kernel(h_ptr, act_ptr, I, stride_hm, stride_am, KIND2: tl.constexpr, BLOCK: tl.constexpr):
+    """act[pair, permuted(j)] = silu(h[pair, j]) * h[pair, I + j], in the column order w2's tiles read."""
+    pair = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = j < I
+    g = tl.load(h_ptr + pair * stride_hm + j, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(h_ptr + pair * stride_hm + I + j, mask=m, other=0.0).to(tl.float32)
+    a = g / (1.0 + tl.exp(-g)) * u
+    tl.store(act_ptr + pair * stride_am + permuted_position(j, KIND2), a.to(act_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _ap_moe_w2_kernel(
     act_ptr, out_ptr, pt_ptr, tw_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr,
-    num_pairs, topk, N, K, G, stride_am, stride_om, PT_STRIDE,
+    num_pairs, topk, N, K, G: tl.constexpr, stride_am, stride_om, PT_STRIDE,
     KIND: tl.constexpr, APPLY_W_IN: tl.constexpr, P_MAX: tl.constexpr, SPLIT_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CD: tl.constexpr, USE_ASM: tl.constexpr, DOT_F32: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -80,21 +194,59 @@ def _ap_moe_w2_kernel(
     pairs = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
     valid = pairs < num_pairs
     row, q, table = load_row(pt_ptr, e, PT_STRIDE)
+    p0 = plane_pointer(row, 0, q)  # plane addresses are loop invariant: read the row once
+    p1 = plane_pointer(row, 1, q) if P_MAX > 1 else p0
+    p2 = plane_pointer(row, 2, q) if P_MAX > 2 else p0
+    p3 = plane_pointer(row, 3, q) if P_MAX > 3 else p0
+    p4 = plane_pointer(row, 4, q) if P_MAX > 4 else p0
+    p5 = plane_pointer(row, 5, q) if P_MAX > 5 else p0
+    p6 = plane_pointer(row, 6, q) if P_MAX > 6 else p0
+    p7 = plane_pointer(row, 7, q) if P_MAX > 7 else p0
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < N
-    korder = tile_k_order(BK, KIND)
+    kk = tl.arange(0, BK)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
-    for kt in range(pid_k, K // BK, SPLIT_K):
-        k0 = kt * BK
-        at = tl.load(act_ptr + pairs[None, :].to(tl.int64) * stride_am + (k0 + korder)[:, None],
-                     mask=valid[None, :], other=0.0)
-        w = weight_tile(row, q, table, offs_n, mask_n, k0, N, K, G, KIND, BN, BK, P_MAX, CD, USE_ASM)
-        acc = tile_dot(w, at.to(CD), acc, DOT_F32)
+    if PREFETCH:
+        w0, w1, w2, w3, w4, w5, w6, w7 = tile_words(p0, p1, p2, p3, p4, p5, p6, p7, q, offs_n, mask_n, pid_k * BK, K,
+                                                    True, BK, P_MAX)
+        for kt in range(pid_k, K // BK, SPLIT_K):
+            k0 = kt * BK
+            k1 = k0 + SPLIT_K * BK
+            h0, h1, h2, h3, h4, h5, h6, h7 = tile_words(p0, p1, p2, p3, p4, p5, p6, p7, q, offs_n, mask_n, k1, K,
+                                                        k1 < K, BK, P_MAX)
+            at = tl.load(act_ptr + pairs[None, :].to(tl.int64) * stride_am + (k0 + kk)[:, None],
+                         mask=valid[None, :], other=0.0)
+            w = tile_from_words(w0, w1, w2, w3, w4, w5, w6, w7, q, table, offs_n, mask_n, k0, N, K, G,
+                                KIND, BN, BK, P_MAX, CD, USE_ASM)
+            acc = tile_dot(w, at, acc, DOT_F32)
+            w0, w1, w2, w3, w4, w5, w6, w7 = h0, h1, h2, h3, h4, h5, h6, h7
+    else:
+        for kt in range(pid_k, K // BK, SPLIT_K):
+            k0 = kt * BK
+            at = tl.load(act_ptr + pairs[None, :].to(tl.int64) * stride_am + (k0 + kk)[:, None],
+                         mask=valid[None, :], other=0.0)
+            w = weight_tile(p0, p1, p2, p3, p4, p5, p6, p7, q, table, offs_n, mask_n, k0, N, K, G,
+                            KIND, BN, BK, P_MAX, CD, USE_ASM)
+            acc = tile_dot(w, at, acc, DOT_F32)
     if not APPLY_W_IN:
         acc = acc * tl.load(tw_ptr + pairs, mask=valid, other=0.0)[None, :]
     tok = (pairs // topk).to(tl.int64)
     tl.atomic_add(out_ptr + tok[None, :] * stride_om + offs_n[:, None], acc,
                   mask=valid[None, :] & mask_n[:, None], sem="relaxed")
+
+
+def input_permutation(k: int, table_kind: str, device: torch.device) -> torch.Tensor:
+    """perm[j] = the input index held by tile column j (see triton_tiles.permuted_position)."""
+    j = torch.arange(k, device=device)
+    c, r = j // 32, j % 32
+    if table_kind == "bcq":
+        return c * 32 + (r % 2) * 16 + r // 2
+    return c * 32 + (r % 4) * 8 + r // 4
+
+
+def permute_inputs(x: torch.Tensor, table_kind: str, cd: torch.dtype) -> torch.Tensor:
+    """x[:, perm] in the compute dtype (one small gather kernel): the kernels then read contiguous tiles."""
+    return x.index_select(1, input_permutation(x.shape[1], table_kind, x.device)).to(cd)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -131,23 +283,38 @@ def ap_fused_moe_triton(
     num_pairs = m * topk
     cd = compute_dtype(hidden.dtype)
     tw = topk_weights.reshape(-1).to(torch.float32)
+    x = permute_inputs(hidden, w13.table_kind, cd)
     act = torch.empty(num_pairs, inter, dtype=cd, device=hidden.device)
     out = torch.zeros(m, h, dtype=torch.float32, device=hidden.device)
     max_blocks = align.max_blocks
     kind13 = 0 if w13.table_kind == "bcq" else 1
     kind2 = 0 if w2.table_kind == "bcq" else 1
-    _ap_moe_w13_kernel[(max_blocks, triton.cdiv(inter, cfg13.block_n))](
-        hidden, act, w13.page_table, tw, align.sorted_ids, align.expert_ids, align.num_tokens_post_padded,
-        num_pairs, topk, inter, w13.K, w13.group_size, hidden.stride(0), act.stride(0), w13.page_table.stride(0),
-        KIND=kind13, APPLY_W_IN=apply_router_weight_on_input, P_MAX=w13.bits_max,
-        BM=cfg13.block_m, BN=cfg13.block_n, BK=cfg13.block_k, CD=_TL_DTYPE[cd], USE_ASM=use_asm, DOT_F32=not hidden.is_cuda,
-        num_warps=cfg13.num_warps, num_stages=cfg13.num_stages,
-    )
+    if cfg13.fuse_gate_up:
+        _ap_moe_w13_kernel[(max_blocks, triton.cdiv(inter, cfg13.block_n))](
+            x, act, w13.page_table, tw, align.sorted_ids, align.expert_ids, align.num_tokens_post_padded,
+            num_pairs, topk, inter, w13.K, w13.group_size, x.stride(0), act.stride(0), w13.page_table.stride(0),
+            KIND=kind13, KIND2=kind2, APPLY_W_IN=apply_router_weight_on_input, P_MAX=w13.bits_max,
+            BM=cfg13.block_m, BN=cfg13.block_n, BK=cfg13.block_k, CD=_TL_DTYPE[cd], USE_ASM=use_asm,
+            DOT_F32=not hidden.is_cuda, PREFETCH=cfg13.prefetch, **cfg13.launch_options(hidden.is_cuda),
+        )
+    else:
+        h13 = torch.empty(num_pairs, 2 * inter, dtype=cd, device=hidden.device)
+        _ap_moe_w13_split_kernel[(max_blocks, triton.cdiv(2 * inter, cfg13.block_n))](
+            x, h13, w13.page_table, tw, align.sorted_ids, align.expert_ids, align.num_tokens_post_padded,
+            num_pairs, topk, 2 * inter, w13.K, w13.group_size, x.stride(0), h13.stride(0), w13.page_table.stride(0),
+            KIND=kind13, APPLY_W_IN=apply_router_weight_on_input, P_MAX=w13.bits_max,
+            BM=cfg13.block_m, BN=cfg13.block_n, BK=cfg13.block_k, CD=_TL_DTYPE[cd], USE_ASM=use_asm,
+            DOT_F32=not hidden.is_cuda, PREFETCH=cfg13.prefetch, **cfg13.launch_options(hidden.is_cuda),
+        )
+        _silu_mul_kernel[(num_pairs, triton.cdiv(inter, 1024))](
+            h13, act, inter, h13.stride(0), act.stride(0), KIND2=kind2, BLOCK=1024, num_warps=4,
+        )
     _ap_moe_w2_kernel[(max_blocks, triton.cdiv(h, cfg2.block_n), cfg2.split_k)](
         act, out, w2.page_table, tw, align.sorted_ids, align.expert_ids, align.num_tokens_post_padded,
         num_pairs, topk, h, inter, w2.group_size, act.stride(0), out.stride(0), w2.page_table.stride(0),
         KIND=kind2, APPLY_W_IN=apply_router_weight_on_input, P_MAX=w2.bits_max, SPLIT_K=cfg2.split_k,
         BM=cfg2.block_m, BN=cfg2.block_n, BK=cfg2.block_k, CD=_TL_DTYPE[cd], USE_ASM=use_asm, DOT_F32=not hidden.is_cuda,
-        num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
+        PREFETCH=cfg2.prefetch,
+        **cfg2.launch_options(hidden.is_cuda),
     )
     return out.to(hidden.dtype)

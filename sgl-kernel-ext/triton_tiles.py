@@ -75,78 +75,109 @@ def _add2(a, b, CD: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def tile_k_order(BK: tl.constexpr, KIND: tl.constexpr):
-    """Input index k (within the tile) of each tile column, for the activation loads."""
-    kk = tl.arange(0, BK)
-    c = kk // 32
-    r = kk % 32
+def permuted_position(k, KIND: tl.constexpr):
+    """Tile column that input k (an index into K, K % 32 == 0) occupies: activations are stored permuted
+    (the MoE input by the launcher, the w13 -> w2 intermediate by the w13 kernel) so tiles load them
+    contiguously. bcq: input 32c + 16h + s -> column 32c + 2s + h; kmeans: 32c + 8i + s -> 32c + 4s + i."""
+    c = k // 32
+    r = k % 32
     if KIND == 0:
-        k = c * 32 + (r % 2) * 16 + r // 2  # column (c, s, h) <- input 32c + 16h + s
+        pos = c * 32 + (r % 16) * 2 + r // 16
     else:
-        k = c * 32 + (r % 4) * 8 + r // 4  # column (c, s, i) <- input 32c + 8i + s
-    return k
+        pos = c * 32 + (r % 8) * 4 + r // 8
+    return pos
 
 
 @triton.jit
-def _plane_words(row_ptr, p: tl.constexpr, q, word_off, mask_n):
-    """[BN, BK/32] int32 words of plane p (zeros, and no memory traffic, when p >= q)."""
+def plane_pointer(row_ptr, p: tl.constexpr, q):
+    """Address of plane p of a row as an int32 pointer (null, never dereferenced, when p >= q)."""
     addr = tl.load(row_ptr + 2 + p, mask=p < q, other=0)
-    plane = addr.to(tl.pointer_type(tl.int32))
-    return tl.load(plane + word_off, mask=mask_n[:, None] & (p < q), other=0)
+    return addr.to(tl.pointer_type(tl.int32))
 
 
 @triton.jit
-def _bcq_add_plane(acc, words, alpha, CD: tl.constexpr, USE_ASM: tl.constexpr):
-    shl = 15 - tl.arange(0, 16)
-    t = words[:, :, None] << shl[None, None, :]  # bits of inputs s, s+16 -> bits 15, 31
-    term = _pack2(alpha.to(CD))[:, None, None] ^ (~t & _SIGN2)  # -alpha where the bit is 0
-    return _add2(acc, term, CD, USE_ASM)
+def _words(plane, p: tl.constexpr, q, word_off, mask):
+    """[BN, BK/32] int32 words of one plane (no memory traffic when p >= q)."""
+    return tl.load(plane + word_off, mask=mask & (p < q), other=0)
 
 
 @triton.jit
-def _bcq_plane_step(acc, row_ptr, p: tl.constexpr, q, words, table_ptr, tab_off, plane_stride, mask_n,
-                    CD: tl.constexpr, USE_ASM: tl.constexpr):
+def tile_words(p0, p1, p2, p3, p4, p5, p6, p7, q, offs_n, mask_n, k0, K, in_range,
+               BK: tl.constexpr, P_MAX: tl.constexpr):
+    """The plane words of one tile, every load issued before any is used (q loads in flight at once).
+    `in_range` (scalar) masks a prefetch past the last K step."""
+    c = tl.arange(0, BK // 32)
+    word_off = offs_n[:, None].to(tl.int64) * (K // 32) + (k0 // 32 + c)[None, :]
+    mask = mask_n[:, None] & in_range
+    w0 = _words(p0, 0, q, word_off, mask)
+    w1 = _words(p1, 1, q, word_off, mask) if P_MAX > 1 else w0
+    w2 = _words(p2, 2, q, word_off, mask) if P_MAX > 2 else w0
+    w3 = _words(p3, 3, q, word_off, mask) if P_MAX > 3 else w0
+    w4 = _words(p4, 4, q, word_off, mask) if P_MAX > 4 else w0
+    w5 = _words(p5, 5, q, word_off, mask) if P_MAX > 5 else w0
+    w6 = _words(p6, 6, q, word_off, mask) if P_MAX > 6 else w0
+    w7 = _words(p7, 7, q, word_off, mask) if P_MAX > 7 else w0
+    return w0, w1, w2, w3, w4, w5, w6, w7
+
+
+@triton.jit
+def _alpha(table_ptr, p: tl.constexpr, q, plane_stride, alpha_off, mask_n, CD: tl.constexpr, ROW: tl.constexpr):
+    """Packed (alpha_p, alpha_p) per row ([BN, 1], ROW) or per (row, word) of the tile; zeros when p >= q."""
+    if ROW:
+        a = tl.load(table_ptr + p * plane_stride + alpha_off, mask=mask_n & (p < q), other=0.0)[:, None]
+    else:
+        a = tl.load(table_ptr + p * plane_stride + alpha_off, mask=mask_n[:, None] & (p < q), other=0.0)
+    return _pack2(a.to(CD))
+
+
+@triton.jit
+def _bcq_plane_step(acc, p: tl.constexpr, q, words, alpha2, CD: tl.constexpr, USE_ASM: tl.constexpr):
     if p < q:
-        alpha = tl.load(table_ptr + p * plane_stride + tab_off, mask=mask_n, other=0.0)
-        acc = _bcq_add_plane(acc, words, alpha, CD, USE_ASM)
+        shl = 15 - tl.arange(0, 16)
+        t = words[:, :, None] << shl[None, None, :]  # bits of inputs s, s+16 -> bits 15, 31
+        term = alpha2[:, :, None] ^ (~t & _SIGN2)  # -alpha where the bit is 0
+        acc = _add2(acc, term, CD, USE_ASM)
     return acc
 
 
 @triton.jit
-def bcq_tile(row_ptr, q, table_ptr, offs_n, mask_n, k0, N, K, G,
-             BN: tl.constexpr, BK: tl.constexpr, P_MAX: tl.constexpr, CD: tl.constexpr, USE_ASM: tl.constexpr):
-    """W[BN, BK] (dtype CD) of a binary-coded block at bitwidth q; requires BK <= G (one scale per row)."""
+def bcq_tile_from(w0, w1, w2, w3, w4, w5, w6, w7, q, table_ptr, offs_n, mask_n, k0, N, K, G: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, P_MAX: tl.constexpr, CD: tl.constexpr, USE_ASM: tl.constexpr):
+    """W[BN, BK] (dtype CD, columns in permuted order) of a binary-coded block at bitwidth q from its words."""
     ng = K // G
-    c = tl.arange(0, BK // 32)
-    word_off = offs_n[:, None].to(tl.int64) * (K // 32) + (k0 // 32 + c)[None, :]
-    # issue every plane load of the tile before any arithmetic, so q loads are in flight at once
-    w0 = _plane_words(row_ptr, 0, q, word_off, mask_n)
-    w1 = _plane_words(row_ptr, 1, q, word_off, mask_n) if P_MAX > 1 else w0
-    w2 = _plane_words(row_ptr, 2, q, word_off, mask_n) if P_MAX > 2 else w0
-    w3 = _plane_words(row_ptr, 3, q, word_off, mask_n) if P_MAX > 3 else w0
-    w4 = _plane_words(row_ptr, 4, q, word_off, mask_n) if P_MAX > 4 else w0
-    w5 = _plane_words(row_ptr, 5, q, word_off, mask_n) if P_MAX > 5 else w0
-    w6 = _plane_words(row_ptr, 6, q, word_off, mask_n) if P_MAX > 6 else w0
-    w7 = _plane_words(row_ptr, 7, q, word_off, mask_n) if P_MAX > 7 else w0
-    tab_off = offs_n * ng + k0 // G
-    plane_stride = N * ng
-    off = tl.load(table_ptr + q * plane_stride + tab_off, mask=mask_n, other=0.0)
-    acc = _pack2(off.to(CD))[:, None, None] + tl.zeros([BN, BK // 32, 16], dtype=tl.int32)
-    acc = _bcq_plane_step(acc, row_ptr, 0, q, w0, table_ptr, tab_off, plane_stride, mask_n, CD, USE_ASM)
+    if BK > G:  # a tile spans several groups: one scale per (row, 32-input word)
+        c = tl.arange(0, BK // 32)
+        alpha_off = offs_n[:, None] * ng + ((k0 + 32 * c) // G)[None, :]
+        off = tl.load(table_ptr + q * N * ng + alpha_off, mask=mask_n[:, None], other=0.0)
+    else:  # one scale per row
+        alpha_off = offs_n * ng + k0 // G
+        off = tl.load(table_ptr + q * N * ng + alpha_off, mask=mask_n, other=0.0)[:, None]
+    ps = N * ng
+    # all table loads first (one exposed latency per tile, not one per plane)
+    a0 = _alpha(table_ptr, 0, q, ps, alpha_off, mask_n, CD, BK <= G)
+    a1 = _alpha(table_ptr, 1, q, ps, alpha_off, mask_n, CD, BK <= G) if P_MAX > 1 else a0
+    a2 = _alpha(table_ptr, 2, q, ps, alpha_off, mask_n, CD, BK <= G) if P_MAX > 2 else a0
+    a3 = _alpha(table_ptr, 3, q, ps, alpha_off, mask_n, CD, BK <= G) if P_MAX > 3 else a0
+    a4 = _alpha(table_ptr, 4, q, ps, alpha_off, mask_n, CD, BK <= G) if P_MAX > 4 else a0
+    a5 = _alpha(table_ptr, 5, q, ps, alpha_off, mask_n, CD, BK <= G) if P_MAX > 5 else a0
+    a6 = _alpha(table_ptr, 6, q, ps, alpha_off, mask_n, CD, BK <= G) if P_MAX > 6 else a0
+    a7 = _alpha(table_ptr, 7, q, ps, alpha_off, mask_n, CD, BK <= G) if P_MAX > 7 else a0
+    acc = _pack2(off.to(CD))[:, :, None] + tl.zeros([BN, BK // 32, 16], dtype=tl.int32)
+    acc = _bcq_plane_step(acc, 0, q, w0, a0, CD, USE_ASM)
     if P_MAX > 1:
-        acc = _bcq_plane_step(acc, row_ptr, 1, q, w1, table_ptr, tab_off, plane_stride, mask_n, CD, USE_ASM)
+        acc = _bcq_plane_step(acc, 1, q, w1, a1, CD, USE_ASM)
     if P_MAX > 2:
-        acc = _bcq_plane_step(acc, row_ptr, 2, q, w2, table_ptr, tab_off, plane_stride, mask_n, CD, USE_ASM)
+        acc = _bcq_plane_step(acc, 2, q, w2, a2, CD, USE_ASM)
     if P_MAX > 3:
-        acc = _bcq_plane_step(acc, row_ptr, 3, q, w3, table_ptr, tab_off, plane_stride, mask_n, CD, USE_ASM)
+        acc = _bcq_plane_step(acc, 3, q, w3, a3, CD, USE_ASM)
     if P_MAX > 4:
-        acc = _bcq_plane_step(acc, row_ptr, 4, q, w4, table_ptr, tab_off, plane_stride, mask_n, CD, USE_ASM)
+        acc = _bcq_plane_step(acc, 4, q, w4, a4, CD, USE_ASM)
     if P_MAX > 5:
-        acc = _bcq_plane_step(acc, row_ptr, 5, q, w5, table_ptr, tab_off, plane_stride, mask_n, CD, USE_ASM)
+        acc = _bcq_plane_step(acc, 5, q, w5, a5, CD, USE_ASM)
     if P_MAX > 6:
-        acc = _bcq_plane_step(acc, row_ptr, 6, q, w6, table_ptr, tab_off, plane_stride, mask_n, CD, USE_ASM)
+        acc = _bcq_plane_step(acc, 6, q, w6, a6, CD, USE_ASM)
     if P_MAX > 7:
-        acc = _bcq_plane_step(acc, row_ptr, 7, q, w7, table_ptr, tab_off, plane_stride, mask_n, CD, USE_ASM)
+        acc = _bcq_plane_step(acc, 7, q, w7, a7, CD, USE_ASM)
     lo = _half(acc, CD)
     hi = _half(acc >> 16, CD)
     return tl.join(lo, hi).reshape(BN, BK)
@@ -161,19 +192,9 @@ def _lut_code_step(code, p: tl.constexpr, q, words):
 
 
 @triton.jit
-def lut_tile(row_ptr, q, table_ptr, offs_n, mask_n, k0, K,
-             BN: tl.constexpr, BK: tl.constexpr, P_MAX: tl.constexpr, CD: tl.constexpr):
-    """W[BN, BK] (dtype CD) of a k-means block at bitwidth q: per-row LUT gathered at the q-bit codes."""
-    c = tl.arange(0, BK // 32)
-    word_off = offs_n[:, None].to(tl.int64) * (K // 32) + (k0 // 32 + c)[None, :]
-    w0 = _plane_words(row_ptr, 0, q, word_off, mask_n)
-    w1 = _plane_words(row_ptr, 1, q, word_off, mask_n) if P_MAX > 1 else w0
-    w2 = _plane_words(row_ptr, 2, q, word_off, mask_n) if P_MAX > 2 else w0
-    w3 = _plane_words(row_ptr, 3, q, word_off, mask_n) if P_MAX > 3 else w0
-    w4 = _plane_words(row_ptr, 4, q, word_off, mask_n) if P_MAX > 4 else w0
-    w5 = _plane_words(row_ptr, 5, q, word_off, mask_n) if P_MAX > 5 else w0
-    w6 = _plane_words(row_ptr, 6, q, word_off, mask_n) if P_MAX > 6 else w0
-    w7 = _plane_words(row_ptr, 7, q, word_off, mask_n) if P_MAX > 7 else w0
+def lut_tile_from(w0, w1, w2, w3, w4, w5, w6, w7, q, table_ptr, offs_n, mask_n,
+                  BN: tl.constexpr, BK: tl.constexpr, P_MAX: tl.constexpr, CD: tl.constexpr):
+    """W[BN, BK] (dtype CD, columns in permuted order) of a k-means block: per-row LUT at the q-bit codes."""
     # code of input 32c + 8i + s sits in byte i of code[n, c, s]; plane 0 is the most significant bit
     code = tl.zeros([BN, BK // 32, 8], dtype=tl.int32)
     code = _lut_code_step(code, 0, q, w0)
@@ -199,14 +220,26 @@ def lut_tile(row_ptr, q, table_ptr, offs_n, mask_n, k0, K,
 
 
 @triton.jit
-def weight_tile(row_ptr, q, table_ptr, offs_n, mask_n, k0, N, K, G,
+def tile_from_words(w0, w1, w2, w3, w4, w5, w6, w7, q, table_ptr, offs_n, mask_n, k0, N, K, G: tl.constexpr,
+                    KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P_MAX: tl.constexpr,
+                    CD: tl.constexpr, USE_ASM: tl.constexpr):
+    if KIND == 0:
+        w = bcq_tile_from(w0, w1, w2, w3, w4, w5, w6, w7, q, table_ptr, offs_n, mask_n, k0, N, K, G,
+                          BN, BK, P_MAX, CD, USE_ASM)
+    else:
+        w = lut_tile_from(w0, w1, w2, w3, w4, w5, w6, w7, q, table_ptr, offs_n, mask_n, BN, BK, P_MAX, CD)
+    return w
+
+
+@triton.jit
+def weight_tile(p0, p1, p2, p3, p4, p5, p6, p7, q, table_ptr, offs_n, mask_n, k0, N, K, G: tl.constexpr,
                 KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P_MAX: tl.constexpr,
                 CD: tl.constexpr, USE_ASM: tl.constexpr):
-    if KIND == 0:
-        w = bcq_tile(row_ptr, q, table_ptr, offs_n, mask_n, k0, N, K, G, BN, BK, P_MAX, CD, USE_ASM)
-    else:
-        w = lut_tile(row_ptr, q, table_ptr, offs_n, mask_n, k0, K, BN, BK, P_MAX, CD)
-    return w
+    """Load and rebuild one tile (loads pipelined by Triton when num_stages > 1)."""
+    w0, w1, w2, w3, w4, w5, w6, w7 = tile_words(p0, p1, p2, p3, p4, p5, p6, p7, q, offs_n, mask_n, k0, K, True,
+                                                BK, P_MAX)
+    return tile_from_words(w0, w1, w2, w3, w4, w5, w6, w7, q, table_ptr, offs_n, mask_n, k0, N, K, G,
+                           KIND, BN, BK, P_MAX, CD, USE_ASM)
 
 
 @triton.jit

@@ -62,39 +62,44 @@ def run_case(m, topk, kind, dtype, bits13, bits2, pattern="random", group=32, ap
     assert err < tolerance(dtype), f"rel err {err:.3e}"
 
 
-pytestmark = needs_kernel_device
 
-
+@needs_kernel_device
 @pytest.mark.parametrize("kind", ["bcq", "kmeans"])
 @pytest.mark.parametrize("m,topk", [(1, 1), (3, 2), (11, 3)])
 def test_random_routing_mixed_bits(kind, m, topk):
     run_case(m, topk, kind, torch.float16, [2, 5, 8, 3], [4, 7, 2, 6], seed=m)
 
 
+@needs_kernel_device
 @pytest.mark.parametrize("kind", ["bcq", "kmeans"])
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
 def test_every_bitwidth(kind, bits):
     run_case(5, 2, kind, torch.float16, [bits] * 3, [bits] * 3, seed=bits)
 
 
+@needs_kernel_device
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_dtypes(dtype):
     run_case(6, 2, "bcq", dtype, [4, 3, 6], [3, 8, 4])
 
 
+@needs_kernel_device
 @pytest.mark.parametrize("kind", ["bcq", "kmeans"])
 def test_all_tokens_to_one_expert(kind):
     run_case(19, 2, kind, torch.float16, [3, 4, 5, 6], [6, 5, 4, 3], pattern="one_expert")
 
 
+@needs_kernel_device
 def test_empty_experts():
     run_case(9, 2, "bcq", torch.float16, [2, 3, 4, 5, 6, 7, 8, 4], [8, 7, 6, 5, 4, 3, 2, 4], pattern="two_experts")
 
 
+@needs_kernel_device
 def test_group_64_and_router_weight_on_input():
     run_case(4, 1, "bcq", torch.float16, [4, 5], [5, 4], group=64, apply_w_in=True)
 
 
+@needs_kernel_device
 @pytest.mark.skipif(KERNEL_DEVICE != "cuda", reason="inline PTX needs CUDA; the interpreter runs the emulation")
 @pytest.mark.parametrize("use_asm", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -102,17 +107,24 @@ def test_asm_and_emulated_builds_agree(use_asm, dtype):
     run_case(8, 2, "bcq", dtype, [3, 8, 5], [2, 4, 7], use_asm=use_asm)
 
 
-def test_larger_block_m_prefill_config():
-    p13, p2 = make_layer(3, [4, 2, 8], [8, 3, 4], "bcq")
+@needs_kernel_device
+@pytest.mark.parametrize("kind", ["bcq", "kmeans"])
+@pytest.mark.parametrize("prefetch,fuse", [(False, True), (True, False), (True, True)])
+def test_block_m_32_split_k_prefetch_fused(kind, prefetch, fuse):
+    p13, p2 = make_layer(3, [4, 2, 8], [8, 3, 4], kind)
     dev = KERNEL_DEVICE
     x = torch.randn(40, H, generator=torch.Generator().manual_seed(3)).half().to(dev)
     tw, ids = routing(40, 3, 2, "random", 3)
-    cfg = (APKernelConfig(block_m=32, block_n=32, block_k=32), APKernelConfig(block_m=32, block_n=32, block_k=32, split_k=3))
+    stages = 1 if prefetch else 2
+    cfg = (APKernelConfig(block_m=32, block_n=32, block_k=32, num_warps=2, num_stages=stages, prefetch=prefetch,
+                          fuse_gate_up=fuse),
+           APKernelConfig(block_m=32, block_n=32, block_k=32, split_k=2, num_warps=2, num_stages=stages, prefetch=prefetch))
     out = ap_fused_moe(x, tw.to(dev), ids.to(dev), p13.weights, p2.weights, backend="triton", configs=cfg)
     ref = ap_fused_moe_reference(x.float(), tw.to(dev), ids.to(dev), p13.weights, p2.weights)
     assert rel_err(out, ref) < tolerance(torch.float16)
 
 
+@needs_kernel_device
 def test_rows_rewritten_between_calls_are_followed():
     """One compiled kernel, one page-table tensor: rewriting rows changes bitwidths without recompiling."""
     p13, p2 = make_layer(3, [8, 8, 8], [8, 8, 8], "bcq")
@@ -130,6 +142,7 @@ def test_rows_rewritten_between_calls_are_followed():
         assert rel_err(out, ref) < tolerance(torch.float16)
 
 
+@needs_kernel_device
 @pytest.mark.skipif(KERNEL_DEVICE != "cuda", reason="CUDA graphs need CUDA")
 def test_cuda_graph_replay_follows_page_table():
     p13, p2 = make_layer(4, [8] * 4, [8] * 4, "bcq")
