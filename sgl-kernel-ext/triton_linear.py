@@ -13,7 +13,7 @@ import triton.language as tl
 
 from pagedweight.kernels.config import APKernelConfig
 from pagedweight.kernels.triton_moe import _TL_DTYPE, _check_bk, compute_dtype, permute_inputs
-from pagedweight.kernels.triton_tiles import load_row, plane_pointer, tile_dot, weight_tile
+from pagedweight.kernels.triton_tiles import act_tile, load_row, plane_pointer, tile_dot, weight_tile
 from pagedweight.kernels.weights import APMoEWeights
 
 
@@ -40,12 +40,10 @@ def _ap_linear_kernel(
     p5 = plane_pointer(row, 5, q) if P_MAX > 5 else p0
     p6 = plane_pointer(row, 6, q) if P_MAX > 6 else p0
     p7 = plane_pointer(row, 7, q) if P_MAX > 7 else p0
-    kk = tl.arange(0, BK)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for kt in range(pid_k, K // BK, SPLIT_K):
         k0 = kt * BK
-        xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + kk)[:, None],
-                     mask=valid[None, :], other=0.0)
+        xt = act_tile(x_ptr, offs_m, stride_xm, k0, valid, BK)
         w = weight_tile(p0, p1, p2, p3, p4, p5, p6, p7, q, table, offs_n, mask_n, k0, N, K, G,
                         KIND, BN, BK, P_MAX, CD, USE_ASM)
         acc = tile_dot(w, xt, acc, DOT_F32)

@@ -18,6 +18,7 @@ import triton.language as tl
 from pagedweight.kernels.align import MoEAlignment
 from pagedweight.kernels.config import APKernelConfig
 from pagedweight.kernels.triton_tiles import (
+    act_tile,
     load_row,
     permuted_position,
     plane_pointer,
@@ -60,7 +61,6 @@ def _ap_moe_w13_kernel(
     p7 = plane_pointer(row, 7, q) if P_MAX > 7 else p0
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < I
-    kk = tl.arange(0, BK)
     if APPLY_W_IN:
         rw = tl.load(tw_ptr + pairs, mask=valid, other=0.0)
     acc_g = tl.zeros([BN, BM], dtype=tl.float32)
@@ -75,7 +75,7 @@ def _ap_moe_w13_kernel(
                                                         more, BK, P_MAX)
             v0, v1, v2, v3, v4, v5, v6, v7 = tile_words(p0, p1, p2, p3, p4, p5, p6, p7, q, offs_n + I, mask_n, k0 + BK, K,
                                                         more, BK, P_MAX)
-            xt = tl.load(x_ptr + tok[None, :] * stride_xm + (k0 + kk)[:, None], mask=valid[None, :], other=0.0)
+            xt = act_tile(x_ptr, tok, stride_xm, k0, valid, BK)
             if APPLY_W_IN:
                 xt = (xt.to(tl.float32) * rw[None, :]).to(CD)
             wg = tile_from_words(g0, g1, g2, g3, g4, g5, g6, g7, q, table, offs_n, mask_n, k0, 2 * I, K, G,
@@ -89,7 +89,7 @@ def _ap_moe_w13_kernel(
     else:
         for k0 in range(0, K, BK):
             # x is stored permuted and in CD by the launcher: a contiguous tile
-            xt = tl.load(x_ptr + tok[None, :] * stride_xm + (k0 + kk)[:, None], mask=valid[None, :], other=0.0)
+            xt = act_tile(x_ptr, tok, stride_xm, k0, valid, BK)
             if APPLY_W_IN:
                 xt = (xt.to(tl.float32) * rw[None, :]).to(CD)
             wg = weight_tile(p0, p1, p2, p3, p4, p5, p6, p7, q, table, offs_n, mask_n, k0, 2 * I, K, G,
@@ -135,7 +135,6 @@ def _ap_moe_w13_split_kernel(
     p7 = plane_pointer(row, 7, q) if P_MAX > 7 else p0
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < N
-    kk = tl.arange(0, BK)
     if APPLY_W_IN:
         rw = tl.load(tw_ptr + pairs, mask=valid, other=0.0)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
@@ -144,7 +143,7 @@ def _ap_moe_w13_split_kernel(
         for k0 in range(0, K, BK):
             h0, h1, h2, h3, h4, h5, h6, h7 = tile_words(p0, p1, p2, p3, p4, p5, p6, p7, q, offs_n, mask_n, k0 + BK, K,
                                                         k0 + BK < K, BK, P_MAX)
-            xt = tl.load(x_ptr + tok[None, :] * stride_xm + (k0 + kk)[:, None], mask=valid[None, :], other=0.0)
+            xt = act_tile(x_ptr, tok, stride_xm, k0, valid, BK)
             if APPLY_W_IN:
                 xt = (xt.to(tl.float32) * rw[None, :]).to(CD)
             w = tile_from_words(w0, w1, w2, w3, w4, w5, w6, w7, q, table, offs_n, mask_n, k0, N, K, G,
@@ -153,7 +152,7 @@ def _ap_moe_w13_split_kernel(
             w0, w1, w2, w3, w4, w5, w6, w7 = h0, h1, h2, h3, h4, h5, h6, h7
     else:
         for k0 in range(0, K, BK):
-            xt = tl.load(x_ptr + tok[None, :] * stride_xm + (k0 + kk)[:, None], mask=valid[None, :], other=0.0)
+            xt = act_tile(x_ptr, tok, stride_xm, k0, valid, BK)
             if APPLY_W_IN:
                 xt = (xt.to(tl.float32) * rw[None, :]).to(CD)
             w = weight_tile(p0, p1, p2, p3, p4, p5, p6, p7, q, table, offs_n, mask_n, k0, N, K, G,
@@ -204,7 +203,6 @@ def _ap_moe_w2_kernel(
     p7 = plane_pointer(row, 7, q) if P_MAX > 7 else p0
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < N
-    kk = tl.arange(0, BK)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     if PREFETCH:
         w0, w1, w2, w3, w4, w5, w6, w7 = tile_words(p0, p1, p2, p3, p4, p5, p6, p7, q, offs_n, mask_n, pid_k * BK, K,
@@ -214,8 +212,7 @@ def _ap_moe_w2_kernel(
             k1 = k0 + SPLIT_K * BK
             h0, h1, h2, h3, h4, h5, h6, h7 = tile_words(p0, p1, p2, p3, p4, p5, p6, p7, q, offs_n, mask_n, k1, K,
                                                         k1 < K, BK, P_MAX)
-            at = tl.load(act_ptr + pairs[None, :].to(tl.int64) * stride_am + (k0 + kk)[:, None],
-                         mask=valid[None, :], other=0.0)
+            at = act_tile(act_ptr, pairs, stride_am, k0, valid, BK)
             w = tile_from_words(w0, w1, w2, w3, w4, w5, w6, w7, q, table, offs_n, mask_n, k0, N, K, G,
                                 KIND, BN, BK, P_MAX, CD, USE_ASM)
             acc = tile_dot(w, at, acc, DOT_F32)
@@ -223,8 +220,7 @@ def _ap_moe_w2_kernel(
     else:
         for kt in range(pid_k, K // BK, SPLIT_K):
             k0 = kt * BK
-            at = tl.load(act_ptr + pairs[None, :].to(tl.int64) * stride_am + (k0 + kk)[:, None],
-                         mask=valid[None, :], other=0.0)
+            at = act_tile(act_ptr, pairs, stride_am, k0, valid, BK)
             w = weight_tile(p0, p1, p2, p3, p4, p5, p6, p7, q, table, offs_n, mask_n, k0, N, K, G,
                             KIND, BN, BK, P_MAX, CD, USE_ASM)
             acc = tile_dot(w, at, acc, DOT_F32)

@@ -162,8 +162,10 @@ def bcq_tile_from(w0, w1, w2, w3, w4, w5, w6, w7, q, table_ptr, offs_n, mask_n, 
     a5 = _alpha(table_ptr, 5, q, ps, alpha_off, mask_n, CD, BK <= G) if P_MAX > 5 else a0
     a6 = _alpha(table_ptr, 6, q, ps, alpha_off, mask_n, CD, BK <= G) if P_MAX > 6 else a0
     a7 = _alpha(table_ptr, 7, q, ps, alpha_off, mask_n, CD, BK <= G) if P_MAX > 7 else a0
-    acc = _pack2(off.to(CD))[:, :, None] + tl.zeros([BN, BK // 32, 16], dtype=tl.int32)
-    acc = _bcq_plane_step(acc, 0, q, w0, a0, CD, USE_ASM)
+    # plane 0 always exists (q >= 1): start from off + term_0, no materialized copies of off
+    shl = 15 - tl.arange(0, 16)
+    term0 = a0[:, :, None] ^ (~(w0[:, :, None] << shl[None, None, :]) & _SIGN2)
+    acc = _add2(tl.broadcast_to(_pack2(off.to(CD))[:, :, None], term0.shape), term0, CD, USE_ASM)
     if P_MAX > 1:
         acc = _bcq_plane_step(acc, 1, q, w1, a1, CD, USE_ASM)
     if P_MAX > 2:
@@ -249,6 +251,14 @@ def load_row(pt_ptr, e, PT_STRIDE):
     q = tl.load(row).to(tl.int32)
     table = tl.load(row + 1).to(tl.pointer_type(tl.float16))
     return row, q, table
+
+
+@triton.jit
+def act_tile(ptr, rows, stride, k0, valid, BK: tl.constexpr):
+    """[BK, BM] activation tile of the given rows: loaded row-major (vectorized along k), then transposed."""
+    kk = tl.arange(0, BK)
+    t = tl.load(ptr + rows[:, None].to(tl.int64) * stride + (k0 + kk)[None, :], mask=valid[:, None], other=0.0)
+    return tl.trans(t)
 
 
 @triton.jit
