@@ -51,6 +51,7 @@ class PagedRuntime:
     pager: Pager
     block_index: list[tuple[ProjectionStore, int]]  # block_id -> (store, expert)
     initial_bits: int
+    reload_headroom_bytes: int
 
     @classmethod
     def build(cls, cfg: PagedWeightConfig, stores: list[MoELayerStore], device: torch.device) -> "PagedRuntime":
@@ -73,8 +74,11 @@ class PagedRuntime:
             fences = ImmediateFenceFactory()
         want = sum(row.bytes_at(row.desired_bits) for row in table)
         staging = max(row.spec.table_bytes(row.spec.bits_max) for row in table)
-        # The weights' share of the budget; the KV side adds its bytes when the scheduler attaches it.
-        budget = MemoryBudget(total_bytes=want + staging, fixed_bytes=0)
+        # The weights' share of the budget: the committed blocks, the pager's staging reserve (an offload
+        # loads its lower table before freeing), and the same again as headroom for a reload's transient
+        # (the new table is copied in while the old one is still read). The KV side adds its bytes when
+        # the scheduler attaches it.
+        budget = MemoryBudget(total_bytes=want + 2 * staging, fixed_bytes=0)
         pager = Pager(
             table,
             arena,
@@ -87,7 +91,7 @@ class PagedRuntime:
         for layer in stores:
             for proj in layer.projections:
                 pager.mirror.bind(layer.layer_id, proj.proj, proj.page_table)
-        runtime = cls(cfg, stores, table, arena, budget, pager, index, bits)
+        runtime = cls(cfg, stores, table, arena, budget, pager, index, bits, staging)
         for block_id, (proj, e) in enumerate(index):
             if e == 0:
                 first = block_id

@@ -75,7 +75,9 @@ class PagedWeightScheduler:
         runtime.budget.add_capacity("kv", scheduler.max_total_num_tokens * bytes_per_token)
         ap_dir = None if scheduler.server_args.load_format == "dummy" else cfg.resolve_ap_dir(scheduler.server_args.model_path)
         policy = make_runtime_policy(cfg, ap_dir)
-        controller = PagingController(runtime.pager, policy, signal, kv=kv)
+        controller = PagingController(
+            runtime.pager, policy, signal, kv=kv, reload_headroom_bytes=runtime.reload_headroom_bytes
+        )
         if kv is not None:
             runtime.pager.on_bytes_freed = kv.grow
         stream = getattr(scheduler, "forward_stream", None) if torch.cuda.is_available() else None

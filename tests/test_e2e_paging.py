@@ -1,0 +1,86 @@
+"""End to end on the CPU server: KV pressure makes the experts give bytes back, a quiet period reloads them.
+
+A small KV cache (--max-total-tokens) and a high low-watermark make a burst of long requests push free KV
+blocks under the threshold; the scripted policy lowers bitwidths; once the burst is over, free blocks stay
+above the high watermark and every block is reloaded to its initial bitwidth. All requests complete, and a
+greedy answer after the round trip equals the one before it (same committed bitwidths, same output).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import pytest
+import requests
+
+from tests.support.server import launch_server, wait_healthy
+
+pytestmark = pytest.mark.e2e
+
+PROBE = {"text": "the river runs to the sea", "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+
+
+def _state(url: str) -> dict:
+    info = requests.get(url + "/get_server_info", timeout=60).json()
+    return info["internal_states"][0]["paged_weight"]
+
+
+def _wait_for(url: str, pred, timeout_s: float, what: str) -> dict:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        st = _state(url)
+        if pred(st):
+            return st
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}; last state: { {k: v for k, v in st.items() if k != 'blocks'} }")
+
+
+@pytest.fixture(scope="module")
+def paging_server(ap_qwen2_moe, server_env, cpu_server_flags, work_dir):
+    flags = [f for f in cpu_server_flags]
+    i = flags.index("--max-total-tokens")
+    flags[i + 1] = "700"
+    srv = launch_server(
+        ap_qwen2_moe,
+        ["--enable-paged-weight", "--paged-weight-bits", "8", "--paged-weight-policy", "scripted",
+         "--paged-weight-kv-low-watermark", "0.5", "--paged-weight-kv-high-watermark", "0.8"] + flags,
+        server_env,
+        work_dir / "server-paging.log",
+    )
+    try:
+        wait_healthy(srv)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_burst_offloads_and_quiet_reloads(paging_server):
+    url = paging_server.url
+    before = requests.post(url + "/generate", json=PROBE, timeout=120).json()["text"]
+    start = _state(url)
+    assert start["committed_bits_histogram"] == {"8": len(start["blocks"])}
+
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
+    prompts = [" ".join(words[(i + j) % len(words)] for j in range(90)) for i in range(6)]
+
+    def one(p):
+        r = requests.post(url + "/generate", json={"text": p, "sampling_params": {
+            "max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}, timeout=600)
+        r.raise_for_status()
+        return r.json()["meta_info"]["completion_tokens"]
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        burst = pool.map(one, prompts)
+        # While the burst runs, the KV cache fills and the weights must give memory back.
+        low = _wait_for(url, lambda st: st["counters"]["offloads_committed"] > 0, 300, "an offload")
+        done = list(burst)
+    assert done == [40] * len(prompts), "every request of the burst completes"
+    assert any(int(b) < 8 for b in low["committed_bits_histogram"]), low["committed_bits_histogram"]
+
+    total = len(start["blocks"])
+    back = _wait_for(url, lambda st: st["committed_bits_histogram"] == {"8": total}, 300, "reload to 8 bits")
+    assert back["counters"]["reloads_committed"] > total  # the initial load plus the reloads
+    assert back["weights_resident_bytes"] == start["weights_resident_bytes"]
+    after = requests.post(url + "/generate", json=PROBE, timeout=120).json()["text"]
+    assert after == before
