@@ -167,6 +167,7 @@ def sweep_candidates(base13: APKernelConfig, base2: APKernelConfig) -> list[tupl
             dict(block_n=64, num_warps=4, num_stages=2, prefetch=False, maxnreg=128),
             dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, maxnreg=None),
             dict(block_n=128, num_warps=8, num_stages=1, prefetch=True, maxnreg=128),
+            dict(block_n=128, num_warps=4, num_stages=1, prefetch=True, maxnreg=None),  # fewest instr/weight (SASS)
         ]
         fused = [dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, maxnreg=None, fuse_gate_up=True),
                  dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, maxnreg=128, fuse_gate_up=True)]
