@@ -71,6 +71,8 @@ def ap_fused_moe(
         )
     from pagedweight.kernels.triton_moe import ap_fused_moe_triton
 
+    w13.check_triton_supported("w13")
+    w2.check_triton_supported("w2")
     m, topk = topk_ids.shape
     if configs is None:
         sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count if hidden.is_cuda else 132
@@ -111,6 +113,7 @@ def ap_linear(
         return ap_linear_reference(x, w, row=row, bias=bias)
     from pagedweight.kernels.triton_linear import ap_linear_triton
 
+    w.check_triton_supported("linear")
     if x.shape[0] == 0:
         return x.new_zeros(0, w.N)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132

@@ -251,6 +251,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _check_bk(w: APMoEWeights, bk: int, name: str) -> None:
+    w.check_triton_supported(name)
     if w.K % bk or (w.table_kind == "bcq" and w.group_size % bk):
         raise ValueError(f"{name}: BK={bk} must divide K={w.K}" + (f" and group_size={w.group_size}" if w.table_kind == "bcq" else ""))
 

@@ -59,14 +59,23 @@ class APMoEWeights:
             )
         if not pt.is_contiguous():
             raise ValueError("page_table must be contiguous (the kernel indexes rows as e * (2 + bits_max))")
+        if self.K % 8:
+            raise ValueError(f"K (in_features) must be a multiple of 8 (docs/format.md), got {self.K}")
+
+    def check_triton_supported(self, name: str) -> None:
+        """The Triton kernels' extra requirements (the torch reference needs only the format's)."""
         if self.K % 32:
-            raise ValueError(f"K (in_features) must be a multiple of 32 for the AP kernels, got {self.K}")
+            raise ValueError(
+                f"{name}: the Triton AP kernels need K (in_features) % 32 == 0 (one plane word), got K={self.K}; "
+                "use the torch reference (CPU) for this shape"
+            )
         if self.table_kind == "bcq":
             g = self.group_size
             if g < 32 or g & (g - 1) or self.K % g:
                 raise ValueError(
-                    f"bcq group_size must be a power of two >= 32 dividing K={self.K}, got {g} "
-                    "(the kernel keeps one scale per 32-weight word; re-convert with group_size >= 32)"
+                    f"{name}: the Triton AP kernels need a bcq group_size that is a power of two >= 32 dividing "
+                    f"K={self.K}, got {g} (the kernel keeps one scale per 32-weight word); re-convert with "
+                    "group_size >= 32"
                 )
 
     @property

@@ -56,8 +56,11 @@ def test_bad_inputs_name_the_problem():
         ap_fused_moe(x, torch.rand(3, 2), torch.zeros(2, 2, dtype=torch.int32), p.weights, p2.weights)
     with pytest.raises(ValueError, match="x must be"):
         ap_linear(torch.randn(3, 48), p.weights)
-    with pytest.raises(ValueError, match="group_size must be a power of two >= 32"):
+    with pytest.raises(ValueError, match="group_size that is a power of two >= 32"):
         APMoEWeights(page_table=torch.zeros(1, 10, dtype=torch.int64), table_kind="bcq", group_size=16, N=8, K=64,
+                     bits_max=8, num_experts=1).check_triton_supported("w13")
+    with pytest.raises(ValueError, match="multiple of 8"):
+        APMoEWeights(page_table=torch.zeros(1, 10, dtype=torch.int64), table_kind="kmeans", group_size=128, N=8, K=20,
                      bits_max=8, num_experts=1)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         if INTERPRET:
