@@ -168,6 +168,7 @@ def sweep_candidates(base13: APKernelConfig, base2: APKernelConfig) -> list[tupl
             dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, maxnreg=None),
             dict(block_n=128, num_warps=8, num_stages=1, prefetch=True, maxnreg=128),
             dict(block_n=128, num_warps=4, num_stages=1, prefetch=True, maxnreg=None),  # fewest instr/weight (SASS)
+            dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, maxnreg=128, w13_split_k=1),
         ]
         fused = [dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, maxnreg=None, fuse_gate_up=True),
                  dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, maxnreg=128, fuse_gate_up=True)]
@@ -180,8 +181,11 @@ def sweep_candidates(base13: APKernelConfig, base2: APKernelConfig) -> list[tupl
         ]
         fused = [dict(v, fuse_gate_up=True) for v in variants]
     for v in variants + fused:
-        c13 = replace(base13, **{"fuse_gate_up": False, **v})
-        c2 = replace(base2, **{k: val for k, val in v.items() if k != "fuse_gate_up"})
+        own13 = {"fuse_gate_up", "w13_split_k"}
+        kw13 = {k: val for k, val in v.items() if k not in own13}
+        split13 = 1 if v.get("fuse_gate_up") else v.get("w13_split_k", base13.split_k)
+        c13 = replace(base13, fuse_gate_up=bool(v.get("fuse_gate_up")), split_k=split13, **kw13)
+        c2 = replace(base2, **kw13)
         name = ("fused:" if v.get("fuse_gate_up") else "split:") + ",".join(
             f"{k.replace('block_', 'b').replace('num_', '')}={val}" for k, val in v.items() if k != "fuse_gate_up")
         out.append((name, c13, c2))

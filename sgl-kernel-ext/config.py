@@ -16,7 +16,7 @@ class APKernelConfig:
     block_m: int = 16  # (token, slot) pairs per block, all of one expert; >= 16 (tl.dot minimum)
     block_n: int = 64  # output rows per block
     block_k: int = 128  # inputs per step; divides K and, for bcq, the group size
-    split_k: int = 1  # w2 / linear only: K slices summed with float32 atomics
+    split_k: int = 1  # K slices summed with float32 atomics (w2, linear, and w13 when not fused)
     num_warps: int = 4
     num_stages: int = 2
     prefetch: bool = False  # double-buffer plane words in registers (use with num_stages=1)
@@ -63,10 +63,10 @@ def block_m_for(num_pairs: int, num_experts: int) -> int:
     return 128
 
 
-def split_k_for(blocks: int, k_tiles: int, num_sms: int) -> int:
-    """Enough K slices that the grid covers the GPU about twice (at most one slice per K tile)."""
+def split_k_for(blocks: int, k_tiles: int, num_sms: int, per_sm: int = 2) -> int:
+    """Enough K slices that the grid holds about `per_sm` programs per SM (at most one slice per K tile)."""
     split = 1
-    while blocks * split < 2 * num_sms and split * 2 <= k_tiles:
+    while blocks * split < per_sm * num_sms and split * 2 <= k_tiles:
         split *= 2
     return split
 
@@ -79,7 +79,7 @@ def default_moe_configs(
     pairs = num_tokens * topk
     bm = block_m_for(pairs, num_experts)
     experts_hit = min(num_experts, pairs)
-    m_blocks = max(1, min(triton.cdiv(pairs, bm), experts_hit) if bm == 16 else triton.cdiv(pairs, bm))
+    m_blocks = max(experts_hit, triton.cdiv(pairs, bm))  # every expert hit owns at least one block
     big = bm >= 64
     bk13 = largest_block_k(*k13)
     bk2 = largest_block_k(*k2)
@@ -91,8 +91,11 @@ def default_moe_configs(
     # decode: block_n = 16 * num_warps (the MMA gives each warp 16 rows; a smaller block_n makes warps rebuild
     # the same rows), one tile per program, plane words double-buffered in registers, registers capped at
     # 128 so 4 programs share an SM (ncu: 8% achieved occupancy and 54% no-eligible cycles uncapped)
-    cfg13 = APKernelConfig(block_m=bm, block_n=64, block_k=bk13, num_warps=4, num_stages=1, prefetch=True, maxnreg=128)
-    split = split_k_for(m_blocks * triton.cdiv(hidden, 64), k2[0] // bk2, num_sms)
+    # 4 such programs fit an SM: split K until the grid has ~4 per SM (Qwen M=1: 4 experts x 44 blocks)
+    split13 = split_k_for(m_blocks * triton.cdiv(2 * inter, 64), k13[0] // bk13, num_sms, per_sm=4)
+    cfg13 = APKernelConfig(block_m=bm, block_n=64, block_k=bk13, split_k=split13, num_warps=4, num_stages=1,
+                           prefetch=True, maxnreg=128)
+    split = split_k_for(m_blocks * triton.cdiv(hidden, 64), k2[0] // bk2, num_sms, per_sm=4)
     cfg2 = APKernelConfig(block_m=bm, block_n=64, block_k=bk2, split_k=split, num_warps=4, num_stages=1,
                           prefetch=True, maxnreg=128)
     return cfg13, cfg2

@@ -108,14 +108,16 @@ def _ap_moe_w13_kernel(
 def _ap_moe_w13_split_kernel(
     x_ptr, h_ptr, pt_ptr, tw_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr,
     num_pairs, topk, N, K, G: tl.constexpr, stride_xm, stride_hm, PT_STRIDE,
-    KIND: tl.constexpr, APPLY_W_IN: tl.constexpr, P_MAX: tl.constexpr,
+    KIND: tl.constexpr, APPLY_W_IN: tl.constexpr, P_MAX: tl.constexpr, SPLIT_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CD: tl.constexpr, USE_ASM: tl.constexpr, DOT_F32: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
     """h[pair, n] = x[token] . W13_e[n] for BN of the 2I gate||up rows: one tile per program, half the
-    registers of the fused kernel, so twice the warps per SM hide the plane loads (decode)."""
+    registers of the fused kernel, so more warps per SM hide the plane loads (decode). With SPLIT_K > 1
+    the K slices are summed with float32 atomics into a zeroed h (few experts hit: more programs)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     if pid_m * BM >= tl.load(post_pad_ptr):
         return
     e = tl.load(expert_ids_ptr + pid_m)
@@ -139,10 +141,13 @@ def _ap_moe_w13_split_kernel(
         rw = tl.load(tw_ptr + pairs, mask=valid, other=0.0)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     if PREFETCH:
-        w0, w1, w2, w3, w4, w5, w6, w7 = tile_words(p0, p1, p2, p3, p4, p5, p6, p7, q, offs_n, mask_n, 0, K, True, BK, P_MAX)
-        for k0 in range(0, K, BK):
-            h0, h1, h2, h3, h4, h5, h6, h7 = tile_words(p0, p1, p2, p3, p4, p5, p6, p7, q, offs_n, mask_n, k0 + BK, K,
-                                                        k0 + BK < K, BK, P_MAX)
+        w0, w1, w2, w3, w4, w5, w6, w7 = tile_words(p0, p1, p2, p3, p4, p5, p6, p7, q, offs_n, mask_n, pid_k * BK, K,
+                                                    True, BK, P_MAX)
+        for kt in range(pid_k, K // BK, SPLIT_K):
+            k0 = kt * BK
+            k1 = k0 + SPLIT_K * BK
+            h0, h1, h2, h3, h4, h5, h6, h7 = tile_words(p0, p1, p2, p3, p4, p5, p6, p7, q, offs_n, mask_n, k1, K,
+                                                        k1 < K, BK, P_MAX)
             xt = act_tile(x_ptr, tok, stride_xm, k0, valid, BK)
             if APPLY_W_IN:
                 xt = (xt.to(tl.float32) * rw[None, :]).to(CD)
@@ -151,7 +156,8 @@ def _ap_moe_w13_split_kernel(
             acc = tile_dot(w, xt, acc, DOT_F32)
             w0, w1, w2, w3, w4, w5, w6, w7 = h0, h1, h2, h3, h4, h5, h6, h7
     else:
-        for k0 in range(0, K, BK):
+        for kt in range(pid_k, K // BK, SPLIT_K):
+            k0 = kt * BK
             xt = act_tile(x_ptr, tok, stride_xm, k0, valid, BK)
             if APPLY_W_IN:
                 xt = (xt.to(tl.float32) * rw[None, :]).to(CD)
@@ -159,7 +165,10 @@ def _ap_moe_w13_split_kernel(
                             KIND, BN, BK, P_MAX, CD, USE_ASM)
             acc = tile_dot(w, xt, acc, DOT_F32)
     ptrs = h_ptr + pairs[None, :].to(tl.int64) * stride_hm + offs_n[:, None]
-    tl.store(ptrs, acc.to(h_ptr.dtype.element_ty), mask=valid[None, :] & mask_n[:, None])
+    if SPLIT_K > 1:
+        tl.atomic_add(ptrs, acc, mask=valid[None, :] & mask_n[:, None], sem="relaxed")
+    else:
+        tl.store(ptrs, acc.to(h_ptr.dtype.element_ty), mask=valid[None, :] & mask_n[:, None])
 
 
 @triton.jit
@@ -270,6 +279,8 @@ def ap_fused_moe_triton(
     use_asm: bool,
 ) -> torch.Tensor:
     """Launches both kernels; `align` must have been built with cfg13.block_m == cfg2.block_m."""
+    if cfg13.fuse_gate_up and cfg13.split_k > 1:
+        raise ValueError("w13 split_k > 1 needs fuse_gate_up=False (silu needs the whole K sum)")
     if cfg13.block_m != align.block_size or cfg2.block_m != align.block_size:
         raise ValueError(f"alignment block {align.block_size} != kernel BM {cfg13.block_m}/{cfg2.block_m}")
     _check_bk(w13, cfg13.block_k, "w13")
@@ -295,11 +306,14 @@ def ap_fused_moe_triton(
             DOT_F32=not hidden.is_cuda, PREFETCH=cfg13.prefetch, **cfg13.launch_options(hidden.is_cuda),
         )
     else:
-        h13 = torch.empty(num_pairs, 2 * inter, dtype=cd, device=hidden.device)
-        _ap_moe_w13_split_kernel[(max_blocks, triton.cdiv(2 * inter, cfg13.block_n))](
+        if cfg13.split_k > 1:
+            h13 = torch.zeros(num_pairs, 2 * inter, dtype=torch.float32, device=hidden.device)
+        else:
+            h13 = torch.empty(num_pairs, 2 * inter, dtype=cd, device=hidden.device)
+        _ap_moe_w13_split_kernel[(max_blocks, triton.cdiv(2 * inter, cfg13.block_n), cfg13.split_k)](
             x, h13, w13.page_table, tw, align.sorted_ids, align.expert_ids, align.num_tokens_post_padded,
             num_pairs, topk, 2 * inter, w13.K, w13.group_size, x.stride(0), h13.stride(0), w13.page_table.stride(0),
-            KIND=kind13, APPLY_W_IN=apply_router_weight_on_input, P_MAX=w13.bits_max,
+            KIND=kind13, APPLY_W_IN=apply_router_weight_on_input, P_MAX=w13.bits_max, SPLIT_K=cfg13.split_k,
             BM=cfg13.block_m, BN=cfg13.block_n, BK=cfg13.block_k, CD=_TL_DTYPE[cd], USE_ASM=use_asm,
             DOT_F32=not hidden.is_cuda, PREFETCH=cfg13.prefetch, **cfg13.launch_options(hidden.is_cuda),
         )

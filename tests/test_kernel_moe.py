@@ -109,15 +109,15 @@ def test_asm_and_emulated_builds_agree(use_asm, dtype):
 
 @needs_kernel_device
 @pytest.mark.parametrize("kind", ["bcq", "kmeans"])
-@pytest.mark.parametrize("prefetch,fuse", [(False, True), (True, False), (True, True)])
-def test_block_m_32_split_k_prefetch_fused(kind, prefetch, fuse):
+@pytest.mark.parametrize("prefetch,fuse,split13", [(False, True, 1), (True, False, 2), (True, True, 1), (False, False, 3)])
+def test_block_m_32_split_k_prefetch_fused(kind, prefetch, fuse, split13):
     p13, p2 = make_layer(3, [4, 2, 8], [8, 3, 4], kind)
     dev = KERNEL_DEVICE
     x = torch.randn(40, H, generator=torch.Generator().manual_seed(3)).half().to(dev)
     tw, ids = routing(40, 3, 2, "random", 3)
     stages = 1 if prefetch else 2
-    cfg = (APKernelConfig(block_m=32, block_n=32, block_k=32, num_warps=2, num_stages=stages, prefetch=prefetch,
-                          fuse_gate_up=fuse),
+    cfg = (APKernelConfig(block_m=32, block_n=32, block_k=32, split_k=split13, num_warps=2, num_stages=stages,
+                          prefetch=prefetch, fuse_gate_up=fuse),
            APKernelConfig(block_m=32, block_n=32, block_k=32, split_k=2, num_warps=2, num_stages=stages, prefetch=prefetch))
     out = ap_fused_moe(x, tw.to(dev), ids.to(dev), p13.weights, p2.weights, backend="triton", configs=cfg)
     ref = ap_fused_moe_reference(x.float(), tw.to(dev), ids.to(dev), p13.weights, p2.weights)
