@@ -12,7 +12,7 @@ python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tm
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 
 
 if [ "$stage" = kernels ]; then
-  timeout 240 python3 -m pytest -q -x tests/test_kernel_*.py tests/test_runtime_*.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_runtime_*.py tests/test_kernel_*.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
   timeout 200 python3 benchmark/sglang_moe_baseline.py --out "$OUT/baseline.json" >"$OUT/baseline.log" 2>&1
   tail -3 "$OUT/baseline.log"
   timeout 300 python3 benchmark/kernel_bench.py --baseline-json "$OUT/baseline.json" --out "$OUT/kernel.json" \
