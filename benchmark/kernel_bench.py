@@ -173,18 +173,23 @@ def sweep_candidates(base13: APKernelConfig, base2: APKernelConfig) -> list[tupl
         fused = [dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, maxnreg=None, fuse_gate_up=True),
                  dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, maxnreg=128, fuse_gate_up=True)]
     else:  # prefill
+        dq = dict(block_k=64, num_stages=3)
         variants = [
-            dict(block_m=128, block_n=128, num_warps=8, num_stages=2, prefetch=False, maxnreg=None),
+            dict(block_m=128, block_n=128, num_warps=8, dequant_chunk=2, **dq),
+            dict(block_m=128, block_n=128, num_warps=8, dequant_chunk=64, **dq),
+            dict(block_m=64, block_n=128, num_warps=4, dequant_chunk=16, **dq),
+            dict(block_m=128, block_n=128, num_warps=8, num_stages=2, prefetch=False, maxnreg=None, dequant_chunk=0),
             dict(block_m=256, block_n=64, num_warps=8, num_stages=2, prefetch=False, maxnreg=None),
             dict(block_m=256, block_n=128, num_warps=8, num_stages=2, prefetch=False, maxnreg=None),
             dict(block_m=64, block_n=128, num_warps=4, num_stages=2, prefetch=False, maxnreg=None),
         ]
-        fused = [dict(v, fuse_gate_up=True) for v in variants]
+        fused = [dict(v, fuse_gate_up=True) for v in variants if not v.get("dequant_chunk")]
     for v in variants + fused:
-        own13 = {"fuse_gate_up", "w13_split_k"}
+        own13 = {"fuse_gate_up", "w13_split_k", "dequant_chunk"}
         kw13 = {k: val for k, val in v.items() if k not in own13}
         split13 = 1 if v.get("fuse_gate_up") else v.get("w13_split_k", base13.split_k)
-        c13 = replace(base13, fuse_gate_up=bool(v.get("fuse_gate_up")), split_k=split13, **kw13)
+        c13 = replace(base13, fuse_gate_up=bool(v.get("fuse_gate_up")), split_k=split13,
+                      dequant_chunk=v.get("dequant_chunk", 0), **kw13)
         c2 = replace(base2, **kw13)
         name = ("fused:" if v.get("fuse_gate_up") else "split:") + ",".join(
             f"{k.replace('block_', 'b').replace('num_', '')}={val}" for k, val in v.items() if k != "fuse_gate_up")

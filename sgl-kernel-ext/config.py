@@ -22,6 +22,9 @@ class APKernelConfig:
     prefetch: bool = False  # double-buffer plane words in registers (use with num_stages=1)
     fuse_gate_up: bool = False  # w13 only: gate and up tiles + silu in one program (vs. one tile + silu kernel)
     maxnreg: int | None = None  # register cap per thread: more resident warps to hide plane-load latency
+    # w13 config only, prefill: > 0 = dequantize experts once per call, this many at a time, into a bf16/fp16
+    # scratch (chunk x N x K x 2 bytes per projection) and run dense grouped GEMMs (triton_dequant_moe.py)
+    dequant_chunk: int = 0
 
     def launch_options(self, on_cuda: bool) -> dict:
         """Triton launch keywords (the interpreter takes no register cap)."""
@@ -37,6 +40,8 @@ class APKernelConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {v}")
         if self.block_k < 32:
             raise ValueError(f"block_k must be >= 32 (one plane word), got {self.block_k}")
+        if self.dequant_chunk < 0:
+            raise ValueError(f"dequant_chunk must be >= 0, got {self.dequant_chunk}")
         if self.split_k < 1:
             raise ValueError(f"split_k must be >= 1, got {self.split_k}")
 
@@ -71,6 +76,12 @@ def split_k_for(blocks: int, k_tiles: int, num_sms: int, per_sm: int = 2) -> int
     return split
 
 
+# Dequantize-then-GEMM once an expert has this many (token, slot) pairs on average (several blocks), with
+# the per-projection scratch of a chunk of experts capped at this many bytes.
+DEQUANT_MIN_PAIRS_PER_EXPERT = 128
+DEQUANT_SCRATCH_BYTES = 512 * 2**20
+
+
 def default_moe_configs(
     num_tokens: int, topk: int, num_experts: int, inter: int, hidden: int,
     k13: tuple[int, int | None], k2: tuple[int, int | None], num_sms: int = 132,
@@ -83,7 +94,17 @@ def default_moe_configs(
     big = bm >= 64
     bk13 = largest_block_k(*k13)
     bk2 = largest_block_k(*k2)
-    if big:  # prefill: fused gate/up tiles, wide blocks, Triton-pipelined loads
+    if pairs >= DEQUANT_MIN_PAIRS_PER_EXPERT * num_experts:
+        # prefill: the tile kernels would rebuild each weight once per block of tokens (4x the bf16 GEMM's
+        # time at M=2048 on Mixtral, measured); dequantize each expert once and run dense GEMMs instead
+        chunk = max(1, DEQUANT_SCRATCH_BYTES // (2 * inter * k13[0] * 2))
+        bkd = 64 if k13[0] % 64 == 0 and (k13[1] is None or k13[1] % 64 == 0) else bk13
+        bkd2 = 64 if k2[0] % 64 == 0 and (k2[1] is None or k2[1] % 64 == 0) else bk2
+        warps = 8 if bm >= 128 else 4
+        cfg13 = APKernelConfig(block_m=bm, block_n=128, block_k=bkd, num_warps=warps, num_stages=3, dequant_chunk=chunk)
+        cfg2 = APKernelConfig(block_m=bm, block_n=128, block_k=bkd2, num_warps=warps, num_stages=3)
+        return cfg13, cfg2
+    if big:  # large blocks: fused gate/up tiles, wide blocks, Triton-pipelined loads
         cfg13 = APKernelConfig(block_m=bm, block_n=128, block_k=bk13, num_warps=8, num_stages=2, fuse_gate_up=True)
         split = split_k_for(m_blocks * triton.cdiv(hidden, 128), k2[0] // bk2, num_sms)
         cfg2 = APKernelConfig(block_m=bm, block_n=128, block_k=bk2, split_k=split, num_warps=8, num_stages=2)

@@ -265,6 +265,33 @@ def _check_bk(w: APMoEWeights, bk: int, name: str) -> None:
         raise ValueError(f"{name}: BK={bk} must divide K={w.K}" + (f" and group_size={w.group_size}" if w.table_kind == "bcq" else ""))
 
 
+def _dequantized_moe(x, act, out, w13, w2, tw, align, cfg13, cfg2, num_pairs, topk, kind2, *,
+                     apply_router_weight_on_input, use_asm, cd) -> None:
+    """Prefill path (triton_dequant_moe.py): experts dequantized once per call in chunks, dense GEMMs."""
+    from pagedweight.kernels.triton_dequant_moe import dense_moe_chunk, dequantize_chunk
+
+    chunk = min(cfg13.dequant_chunk, w13.num_experts)
+    inter = w2.K
+    dot_f32 = not x.is_cuda
+    cd_tl = _TL_DTYPE[cd]
+    h13 = torch.empty(num_pairs, 2 * inter, dtype=cd, device=x.device)
+    s13 = torch.empty(chunk, w13.N, w13.K, dtype=cd, device=x.device)
+    for e0 in range(0, w13.num_experts, chunk):
+        dequantize_chunk(w13, s13, e0, cd_tl, 64, cfg13.block_k, use_asm, dot_f32)
+        # router weight on the input: W13 (w x) = w (W13 x), so it scales h before silu
+        dense_moe_chunk(x, h13, s13, tw, align, e0, num_pairs, topk, by_token=True,
+                        route_w=apply_router_weight_on_input, atomic_out=False, cfg=cfg13, cd_tl=cd_tl, dot_f32=dot_f32)
+    del s13
+    _silu_mul_kernel[(num_pairs, triton.cdiv(inter, 1024))](
+        h13, act, inter, h13.stride(0), act.stride(0), KIND2=kind2, BLOCK=1024, num_warps=4,
+    )
+    s2 = torch.empty(chunk, w2.N, w2.K, dtype=cd, device=x.device)
+    for e0 in range(0, w2.num_experts, chunk):
+        dequantize_chunk(w2, s2, e0, cd_tl, 64, cfg2.block_k, use_asm, dot_f32)
+        dense_moe_chunk(act, out, s2, tw, align, e0, num_pairs, topk, by_token=False,
+                        route_w=not apply_router_weight_on_input, atomic_out=True, cfg=cfg2, cd_tl=cd_tl, dot_f32=dot_f32)
+
+
 def ap_fused_moe_triton(
     hidden: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -297,6 +324,10 @@ def ap_fused_moe_triton(
     max_blocks = align.max_blocks
     kind13 = 0 if w13.table_kind == "bcq" else 1
     kind2 = 0 if w2.table_kind == "bcq" else 1
+    if cfg13.dequant_chunk > 0:
+        _dequantized_moe(x, act, out, w13, w2, tw, align, cfg13, cfg2, num_pairs, topk, kind2,
+                         apply_router_weight_on_input=apply_router_weight_on_input, use_asm=use_asm, cd=cd)
+        return out.to(hidden.dtype)
     if cfg13.fuse_gate_up:
         _ap_moe_w13_kernel[(max_blocks, triton.cdiv(inter, cfg13.block_n))](
             x, act, w13.page_table, tw, align.sorted_ids, align.expert_ids, align.num_tokens_post_padded,

@@ -125,6 +125,40 @@ def test_block_m_32_split_k_prefetch_fused(kind, prefetch, fuse, split13):
 
 
 @needs_kernel_device
+@pytest.mark.parametrize("kind", ["bcq", "kmeans"])
+@pytest.mark.parametrize("chunk,apply_w_in", [(1, False), (2, True), (8, False)])
+def test_dequantize_then_dense_prefill_path(kind, chunk, apply_w_in):
+    """Experts dequantized once into a scratch, in chunks (including one larger than E), then dense GEMMs."""
+    p13, p2 = make_layer(3, [4, 2, 8], [3, 8, 5], kind)
+    dev = KERNEL_DEVICE
+    x = torch.randn(21, H, generator=torch.Generator().manual_seed(4)).half().to(dev)
+    tw, ids = routing(21, 3, 2, "random", 4)
+    tw, ids = tw.to(dev), ids.to(dev)
+    cfg = (APKernelConfig(block_m=32, block_n=32, block_k=32, num_warps=2, dequant_chunk=chunk),
+           APKernelConfig(block_m=32, block_n=32, block_k=32, num_warps=2))
+    out = ap_fused_moe(x, tw, ids, p13.weights, p2.weights, backend="triton", configs=cfg,
+                       apply_router_weight_on_input=apply_w_in)
+    ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights, apply_router_weight_on_input=apply_w_in)
+    assert rel_err(out, ref) < tolerance(torch.float16)
+
+
+@needs_kernel_device
+def test_default_config_switches_to_dequantize_at_prefill_sizes():
+    from pagedweight.kernels.config import default_moe_configs
+
+    m, topk, e = 200, 2, 3  # 133 pairs per expert on average
+    c13, _ = default_moe_configs(m, topk, e, I, H, (H, 32), (I, 32))
+    assert c13.dequant_chunk > 0
+    p13, p2 = make_layer(e, [5, 3, 4], [4, 6, 2], "bcq")
+    dev = KERNEL_DEVICE
+    x = torch.randn(m, H, generator=torch.Generator().manual_seed(6)).half().to(dev)
+    tw, ids = routing(m, e, topk, "random", 6)
+    out = ap_fused_moe(x, tw.to(dev), ids.to(dev), p13.weights, p2.weights, backend="triton")
+    ref = ap_fused_moe_reference(x.float(), tw.to(dev), ids.to(dev), p13.weights, p2.weights)
+    assert rel_err(out, ref) < tolerance(torch.float16)
+
+
+@needs_kernel_device
 def test_rows_rewritten_between_calls_are_followed():
     """One compiled kernel, one page-table tensor: rewriting rows changes bitwidths without recompiling."""
     p13, p2 = make_layer(3, [8, 8, 8], [8, 8, 8], "bcq")
