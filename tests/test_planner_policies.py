@@ -175,6 +175,24 @@ def test_quality_ablation_switches():
     assert pol._stage_floor(row, 0) == 3
 
 
+def test_quality_relaxes_floors_only_as_far_as_needed():
+    # expert 0 hot (stage floors 4, 3, 2), expert 1 cold (3, 2, 2); the hot expert's steps are the cheapest
+    sens = {(0, 0, p): SensitivityTable({4: 0.0, 3: 0.01, 2: 0.02}) for p in ("w13", "w2")}
+    sens |= {(0, 1, p): SensitivityTable({4: 0.0, 3: 10.0, 2: 20.0}) for p in ("w13", "w2")}
+    table = make_table(1, 2)
+    pol = QualityPolicy(make_calib(1, 2, mass=np.array([[0.9, 0.1]]), sens=sens))
+    one_expert = sum(SPEC.bytes_at(4) - SPEC.bytes_at(3) for SPEC in (SPEC_BIG, SPEC_SMALL))
+    # stage 0 allows only the cold expert's 4 -> 3: enough for this target, so the hot one is untouched
+    plan = pol.plan(table, one_expert, OBS)
+    assert pol.last_report.stage == 0
+    assert {(table.row(s.block_id).key.expert, s.target_bits) for s in plan.steps} == {(1, 3)}
+    # more than stage 0 can free: stage 1 opens the hot expert's 4 -> 3, which is far cheaper than cold 3 -> 2
+    plan = pol.plan(table, one_expert + 1, OBS)
+    assert pol.last_report.stage == 1
+    targets = {(table.row(s.block_id).key.expert, table.row(s.block_id).key.proj): s.target_bits for s in plan.steps}
+    assert all(b >= 3 for b in targets.values()) and (0, "w13") in targets
+
+
 def test_quality_prunes_unneeded_last_step():
     # big (w13) steps are cheaper per byte, small ones cheap in absolute damage; after the greedy prefix the
     # first big step is no longer needed once a later small+big pair covers D
@@ -245,13 +263,14 @@ def test_quality_offload_properties(seed):
         assert freed >= target and pol.last_report.feasible
     else:
         assert freed == maxfree and not pol.last_report.feasible and "INFEASIBLE" in plan.reason
-    # stage invariant: below a stage-(s-1) floor only if every block was brought down to it
+    # floor stages: no block below the floors of the stage used, and that stage is the first that can meet D
     stage = pol.last_report.stage
+    queue = pol.refresh(table, OBS)
     final = {r.block_id: r.desired_bits for r in table} | {s.block_id: s.target_bits for s in plan.steps}
     for r in table:
-        assert final[r.block_id] >= min(r.desired_bits, pol._stage_floor(r, max(stage, 0)))
-        if stage > 0 and r.desired_bits >= pol._stage_floor(r, stage - 1):
-            assert final[r.block_id] <= pol._stage_floor(r, stage - 1)
+        assert final[r.block_id] >= min(r.desired_bits, pol._stage_floor(r, stage))
+    if pol.last_report.feasible and stage > 0:
+        assert queue.max_freeable(stage - 1) < target <= queue.max_freeable(stage)
     # deterministic: a fresh policy on the same state gives the same plan
     assert QualityPolicy(calib).plan(table, target, OBS) == plan
 

@@ -6,13 +6,15 @@ Predicted damage of lowering block i = (l, e, u) from b to b' = b - 1 (eq. 8):
 
     d = max(eps, mu_bucket(l,e) * g_i^{b->b'} * eta_i^{b->b'})
 
-The plan queue is the full greedy order of one-bit steps for the current state: stage 0 (most protective
-floors) until no step is left, then stage 1, ... A plan for target D is the shortest prefix of the queue
-that frees >= D, followed by a pruning pass that drops last-stage steps the target does not need. Because
-a stage is entered only after the previous one is exhausted, a block goes below its stage-s floor only
-when every block is at its stage-s floor: the planner never skips a stage. The queue is rebuilt only when
-the state changes (desired bits, floors, routing statistics, prompt features), so `refresh()` can run
-every scheduler iteration and the plan itself is a prefix lookup when pressure triggers.
+Floor stages (Algorithm 1's BitwidthFloorStages): stage s allows a block down to its bucket's stage-s
+floor; stages go from the most protective to the loosest. Each stage yields a greedy plan (steps by
+smallest damage per freed byte until D is met); SelectBestPlan takes the plan of the first stage that
+can meet D, so floors are relaxed only as far as the pressure needs and no block goes below the floor
+of a stage the planner has not reached. A pruning pass then drops steps the target does not need. The
+plan queue holds the greedy order under the loosest floors with each step's first allowed stage (every
+stage's order is a filter of it); it is rebuilt only when the state changes (desired bits, floors,
+routing statistics, prompt features), so `refresh()` can run every scheduler iteration and the plan
+itself is a filter-and-prefix lookup when pressure triggers.
 
 Ablation switches (QualityOptions): routing statistics (off: every block warm, mu = 1), prompt residual
 (off: eta = 1), page movement (off: bits lowered under pressure are never raised again), global
@@ -73,18 +75,34 @@ class QueuedAction:
     bits_to: int
     damage: float
     freed: int
-    stage: int
+    stage: int  # the first floor stage that allows this step (its target is >= that stage's floor)
 
 
 @dataclass(frozen=True)
 class PlanQueue:
+    """The greedy order of every allowed step under the loosest floors, with each step's first stage.
+
+    The greedy order under the floors of stage s is this order restricted to steps with stage <= s: a
+    stage only cuts each block's step sequence shorter, and a heap merge of truncated sequences pops the
+    remaining steps in the same relative order.
+    """
+
     signature: tuple
     actions: tuple[QueuedAction, ...]
-    cumulative_freed: tuple[int, ...]  # cumulative_freed[i] = freed bytes of actions[: i + 1]
+    num_stages: int
 
-    @property
-    def max_freeable(self) -> int:
-        return self.cumulative_freed[-1] if self.actions else 0
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_stage", np.array([a.stage for a in self.actions], dtype=np.int64))
+        object.__setattr__(self, "_freed", np.array([a.freed for a in self.actions], dtype=np.int64))
+
+    def stage_indices(self, stage: int) -> np.ndarray:
+        """Positions (in queue order) of the steps allowed in `stage`."""
+        return np.nonzero(self._stage <= stage)[0]
+
+    def max_freeable(self, stage: int | None = None) -> int:
+        """Bytes freed by every step allowed in `stage` (default: the last, loosest stage)."""
+        s = self.num_stages - 1 if stage is None else stage
+        return int(self._freed[self._stage <= s].sum())
 
 
 @dataclass(frozen=True)
@@ -316,58 +334,57 @@ class QualityPolicy:
 
     def _build_queue(self, rows: list[BlockView], signature: tuple) -> PlanQueue:
         costs = self.step_costs(rows)
+        num_stages = self.calib.buckets.num_stages
+        floors = [[self._stage_floor(r, st) for st in range(num_stages)] for r in rows]  # non-increasing
+        loosest = [f[-1] for f in floors]
         bits = [r.desired_bits for r in rows]
+        # (damage per byte, row index) with row index = (layer, expert, proj) order: deterministic ties
+        heap = [(costs.ratio(i, bits[i]), i) for i in range(len(rows)) if bits[i] - 1 >= loosest[i]]
+        heapq.heapify(heap)
         actions: list[QueuedAction] = []
-        for stage in range(self.calib.buckets.num_stages):
-            floors = [self._stage_floor(r, stage) for r in rows]
-            # (damage per byte, row index) with row index = (layer, expert, proj) order: deterministic ties
-            heap = [(costs.ratio(i, bits[i]), i) for i in range(len(rows)) if bits[i] - 1 >= floors[i]]
-            heapq.heapify(heap)
-            while heap:
-                _, i = heapq.heappop(heap)
-                b = bits[i]
-                actions.append(QueuedAction(rows[i].block_id, b, b - 1, costs.damage_of(i, b), costs.freed_of(i, b), stage))
-                bits[i] = b - 1
-                if b - 2 >= floors[i]:
-                    heapq.heappush(heap, (costs.ratio(i, b - 1), i))
-        cumulative = np.cumsum([a.freed for a in actions], dtype=np.int64).tolist() if actions else []
-        return PlanQueue(signature, tuple(actions), tuple(cumulative))
+        while heap:
+            _, i = heapq.heappop(heap)
+            b = bits[i]
+            first_stage = next(st for st in range(num_stages) if b - 1 >= floors[i][st])
+            actions.append(QueuedAction(rows[i].block_id, b, b - 1, costs.damage_of(i, b), costs.freed_of(i, b),
+                                        first_stage))
+            bits[i] = b - 1
+            if b - 2 >= loosest[i]:
+                heapq.heappush(heap, (costs.ratio(i, b - 1), i))
+        return PlanQueue(signature, tuple(actions), num_stages)
 
     # ---- Policy interface -----------------------------------------------------------------------
     def plan(self, table: PageTableView, target_bytes: int, observation: Observation) -> Plan:
         queue = self.refresh(table, observation)
         if target_bytes <= 0:
             return self._finish(table, [], "offload", target_bytes, True, -1)
-        idx = int(np.searchsorted(np.asarray(queue.cumulative_freed, dtype=np.int64), target_bytes, side="left"))
-        if idx >= len(queue.actions):  # even the whole queue does not reach the target
-            return self._finish(table, list(queue.actions), "offload", target_bytes, False,
-                                queue.actions[-1].stage if queue.actions else -1)
-        selected = list(queue.actions[: idx + 1])
-        selected = self._prune(selected, target_bytes)
-        return self._finish(table, selected, "offload", target_bytes, True, selected[-1].stage)
+        freed = np.array([a.freed for a in queue.actions], dtype=np.int64)
+        # SelectBestPlan: the most protective floor stage whose greedy plan reaches the target
+        for stage in range(queue.num_stages):
+            idx = queue.stage_indices(stage)
+            cumulative = np.cumsum(freed[idx])
+            if cumulative.size and cumulative[-1] >= target_bytes:
+                n = int(np.searchsorted(cumulative, target_bytes, side="left")) + 1
+                selected = self._prune([queue.actions[j] for j in idx[:n]], target_bytes)
+                return self._finish(table, selected, "offload", target_bytes, True, stage)
+        # even the loosest floors do not reach the target: free everything they allow
+        return self._finish(table, list(queue.actions), "offload", target_bytes, False, queue.num_stages - 1)
 
     @staticmethod
     def _prune(selected: list[QueuedAction], target_bytes: int) -> list[QueuedAction]:
-        """Drop last-stage steps the target does not need, most damaging first, lowest step of a block only."""
-        last_stage = selected[-1].stage
+        """Drop steps the target does not need, most damaging first, only the lowest step of a block."""
         total = sum(a.freed for a in selected)
         keep = [True] * len(selected)
-        last_of_block: dict[int, int] = {}
+        steps_of: dict[int, list[int]] = {}
         for i, a in enumerate(selected):
-            last_of_block[a.block_id] = i
-        candidates = sorted(
-            (i for i, a in enumerate(selected) if a.stage == last_stage), key=lambda i: (-selected[i].damage, -i)
-        )
-        for i in candidates:
+            steps_of.setdefault(a.block_id, []).append(i)  # in queue order: highest bits first
+        for i in sorted(range(len(selected)), key=lambda i: (-selected[i].damage, -i)):
             a = selected[i]
-            if last_of_block.get(a.block_id) == i and total - a.freed >= target_bytes:
+            own = steps_of[a.block_id]
+            if own[-1] == i and total - a.freed >= target_bytes:
                 keep[i] = False
                 total -= a.freed
-                prev = [j for j in range(i) if keep[j] and selected[j].block_id == a.block_id]
-                if prev:
-                    last_of_block[a.block_id] = prev[-1]
-                else:
-                    del last_of_block[a.block_id]
+                own.pop()
         return [a for a, k in zip(selected, keep) if k]
 
     def plan_reload(self, table: PageTableView, budget_bytes: int, observation: Observation) -> Plan:
