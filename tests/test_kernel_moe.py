@@ -108,8 +108,11 @@ def test_asm_and_emulated_builds_agree(use_asm, dtype):
 
 
 @needs_kernel_device
-@pytest.mark.parametrize("kind", ["bcq", "kmeans"])
-@pytest.mark.parametrize("prefetch,fuse,split13", [(False, True, 1), (True, False, 2), (True, True, 1), (False, False, 3)])
+@pytest.mark.parametrize(
+    "kind,prefetch,fuse,split13",
+    [("bcq", False, True, 1), ("bcq", True, False, 2), ("kmeans", True, False, 2), ("kmeans", True, True, 1),
+     ("bcq", False, False, 3)],
+)
 def test_block_m_32_split_k_prefetch_fused(kind, prefetch, fuse, split13):
     p13, p2 = make_layer(3, [4, 2, 8], [8, 3, 4], kind)
     dev = KERNEL_DEVICE
@@ -125,8 +128,7 @@ def test_block_m_32_split_k_prefetch_fused(kind, prefetch, fuse, split13):
 
 
 @needs_kernel_device
-@pytest.mark.parametrize("kind", ["bcq", "kmeans"])
-@pytest.mark.parametrize("chunk,apply_w_in", [(1, False), (2, True), (8, False)])
+@pytest.mark.parametrize("kind,chunk,apply_w_in", [("bcq", 1, False), ("kmeans", 2, True), ("bcq", 8, True)])
 def test_dequantize_then_dense_prefill_path(kind, chunk, apply_w_in):
     """Experts dequantized once into a scratch, in chunks (including one larger than E), then dense GEMMs."""
     p13, p2 = make_layer(3, [4, 2, 8], [3, 8, 5], kind)
