@@ -1,9 +1,12 @@
-"""Fused mixed-precision AP MoE in Triton: two launches over the aligned (token, slot) pairs.
+"""Fused mixed-precision AP MoE in Triton over the aligned (token, slot) pairs.
 
-  w13 kernel: per (M-block of one expert, BN intermediate columns): gate and up tiles rebuilt from the
-              expert's planes at its committed bitwidth, two tl.dot's, act = silu(gate) * up -> [pairs, I].
-  w2 kernel:  per (M-block, BN hidden columns, K split): down tiles, times the routing weight, atomically
-              added into a float32 [M, H] output (which also sums the top-k slots of each token).
+  w13 (decode default, `_ap_moe_w13_split_kernel`): per (M-block of one expert, BN of the 2I gate||up
+        rows, K split): one tile rebuilt from the expert's planes at its committed bitwidth, tl.dot,
+        h [pairs, 2I]; then `_silu_mul_kernel` writes act = silu(gate) * up in w2's column order.
+  w13 (`_ap_moe_w13_kernel`, fuse_gate_up): gate and up tiles in one program, silu fused.
+  w2:   per (M-block, BN hidden columns, K split): down tiles, times the routing weight, atomically
+        added into a float32 [M, H] output (which also sums the top-k slots of each token).
+  prefill (dequant_chunk > 0): triton_dequant_moe.py.
 
 Every launch reads the bitwidth and addresses of its expert from the page table at run time, so one
 compiled kernel serves any per-expert bitwidth mix and CUDA graphs stay valid when rows change.

@@ -1,9 +1,9 @@
 """Triton building blocks shared by the AP MoE and AP linear kernels: weight tiles rebuilt from planes.
 
 A weight tile is W[BN rows, BK inputs] of one expert at its committed bitwidth q, rebuilt in registers
-from the q planes the page-table row points to, then fed to `tl.dot`. The tile's inputs come out in a
-permuted order (`tile_k_order`), and the activation tile is loaded in the same order, so no data
-movement is spent undoing the bit layout.
+from the q planes the page-table row points to, then fed to `tl.dot`. The tile's columns come out in a
+permuted input order (`permuted_position`), and the activations are stored in that order, so no data
+movement is spent undoing the bit layout and activation tiles load contiguously.
 
 Binary-coded (bcq) tiles, W = off + sum_p alpha_p * (2 * bit_p - 1), cost 1.5 instructions per weight
 and plane: a plane word (32 inputs) is shifted so the bits of inputs s and s + 16 land on the two fp16
@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-KIND_BCQ = 0
-KIND_KMEANS = 1
 
 # 0x80008000 as a signed int32: the sign bits of both halves of a packed half2.
 _SIGN2 = tl.constexpr(-2147450880)
