@@ -252,9 +252,30 @@ def input_permutation(k: int, table_kind: str, device: torch.device) -> torch.Te
     return c * 32 + (r % 4) * 8 + r // 4
 
 
+class _PermutationCache:
+    """The constant permutations per (K, kind, device), so a decode step does not rebuild them (5 tiny
+    kernels). Filled only outside CUDA-graph capture: a tensor made during capture is only written when
+    the graph replays, so a cached copy would be garbage for eager calls."""
+
+    def __init__(self) -> None:
+        self._perms: dict[tuple[int, str, str], torch.Tensor] = {}
+
+    def get(self, k: int, table_kind: str, device: torch.device) -> torch.Tensor:
+        key = (k, table_kind, str(device))
+        perm = self._perms.get(key)
+        if perm is None:
+            perm = input_permutation(k, table_kind, device)
+            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                self._perms[key] = perm
+        return perm
+
+
+_PERMUTATIONS = _PermutationCache()
+
+
 def permute_inputs(x: torch.Tensor, table_kind: str, cd: torch.dtype) -> torch.Tensor:
     """x[:, perm] in the compute dtype (one small gather kernel): the kernels then read contiguous tiles."""
-    return x.index_select(1, input_permutation(x.shape[1], table_kind, x.device)).to(cd)
+    return x.index_select(1, _PERMUTATIONS.get(x.shape[1], table_kind, x.device)).to(cd)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
