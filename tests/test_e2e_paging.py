@@ -44,7 +44,8 @@ def paging_server(ap_qwen2_moe, server_env, cpu_server_flags, work_dir):
     srv = launch_server(
         ap_qwen2_moe,
         ["--enable-paged-weight", "--paged-weight-bits", "8", "--paged-weight-policy", "scripted",
-         "--paged-weight-kv-low-watermark", "0.5", "--paged-weight-kv-high-watermark", "0.8"] + flags,
+         "--paged-weight-kv-low-watermark", "0.5", "--paged-weight-kv-high-watermark", "0.8",
+         "--enable-metrics"] + flags,
         server_env,
         work_dir / "server-paging.log",
     )
@@ -84,3 +85,12 @@ def test_burst_offloads_and_quiet_reloads(paging_server):
     assert back["weights_resident_bytes"] == start["weights_resident_bytes"]
     after = requests.post(url + "/generate", json=PROBE, timeout=120).json()["text"]
     assert after == before
+
+
+def test_prometheus_gauges(paging_server):
+    text = requests.get(paging_server.url + "/metrics", timeout=60).text
+    for name in ("sglang:pagedweight_weight_bytes", "sglang:pagedweight_transitions_total",
+                 "sglang:pagedweight_mean_committed_bits", "sglang:pagedweight_kv_capacity_tokens"):
+        assert name in text, f"{name} missing from /metrics"
+    mean_bits = [float(l.split()[-1]) for l in text.splitlines() if l.startswith("sglang:pagedweight_mean_committed_bits")]
+    assert mean_bits and 2.0 <= mean_bits[0] <= 8.0

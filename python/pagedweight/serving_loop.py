@@ -57,6 +57,7 @@ class PagedWeightScheduler:
     page_size: int
     capacity_blocks: int
     forward_stream: Any = None
+    metrics: Any = None  # PagedWeightMetrics when --enable-metrics
     iteration: int = 0
     started_s: float = field(default_factory=time.monotonic)
     _routing: dict = field(default_factory=dict)
@@ -85,7 +86,12 @@ class PagedWeightScheduler:
             "PagedWeight: policy %s, KV %d tokens x %d B/token, offload below %d free blocks, reload above %d",
             type(policy).__name__, scheduler.max_total_num_tokens, bytes_per_token, low, high,
         )
-        return cls(runtime, controller, page, capacity_blocks, stream)
+        metrics = None
+        if getattr(scheduler.server_args, "enable_metrics", False):
+            from pagedweight.metrics import PagedWeightMetrics
+
+            metrics = PagedWeightMetrics(tp_rank=getattr(scheduler, "tp_rank", 0))
+        return cls(runtime, controller, page, capacity_blocks, stream, metrics)
 
     def step(self, scheduler: Any) -> None:
         self.iteration += 1
@@ -100,6 +106,8 @@ class PagedWeightScheduler:
         ctx = torch.cuda.stream(self.forward_stream) if self.forward_stream is not None else nullcontext()
         with ctx:
             self.controller.step(avail_blocks, evictable_blocks, obs)
+        if self.metrics is not None:
+            self.metrics.update(self, scheduler.max_total_num_tokens)
 
     def _routing_counts(self) -> dict:
         now = time.monotonic()
