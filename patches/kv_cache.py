@@ -1,0 +1,276 @@
+"""SGLang integration of the elastic KV cache (python/pagedweight/elastic_kv.py).
+
+Sizing (scheduler process, while the model runner allocates its pools):
+- AROUND ModelRunner.alloc_memory_pool: with --enable-paged-weight (target worker only), learn how many
+  bytes the expert weights could ever give to the KV cache (`max_extra_kv_bytes`), let SGLang create pool
+  and allocator for `capacity + extra` tokens, then park everything past SGLang's own capacity in an
+  `ElasticKVCache`, stored as `model_runner._paged_weight_kv`.
+- AROUND KVCacheConfigurator._resolve_memory_pool_config: SGLang's computed capacity C stays the start
+  capacity; the returned config asks for C + extra tokens (max_running_requests stays C's).
+- AROUND MHATokenToKVPool._create_buffers_normal / _alloc_post_capture_buffers (CUDA only): the K/V
+  buffers go into a CUDA VMM reservation mapped in fixed chunks (`ElasticKvVmmBufferOwner`), so only the
+  usable prefix takes GPU memory, with or without SGLANG_ENABLE_POST_CAPTURE_KV_SIZING.
+- AROUND ModelRunner.post_capture_resize_kv_pool: SGLang's post-capture sizing resized the pool; rebase.
+
+Serving:
+- AFTER Scheduler.__init__: bind the cache to the scheduler (radix cache, capacity copies) and expose it as
+  `scheduler._paged_weight_kv` (patches/scheduler.py picks it up; registered before it in plugin.py).
+- BEFORE Scheduler.get_next_batch_to_run: `kv.poll()` releases parked CUDA chunks whose fence is done.
+- AROUND Scheduler.set_internal_state: `POST /set_internal_state {"server_args":
+  {"paged_weight_kv_capacity_tokens": N}}` moves the capacity toward N (operators and tests; the answer
+  `[true]` means exactly N, clamped to [min_tokens, max_tokens], was reached; a shrink stops above slots
+  that running requests hold).
+- AFTER Scheduler.get_internal_state: `/get_server_info` reports the cache under "paged_weight_kv".
+
+`PAGEDWEIGHT_ELASTIC_KV_EXTRA_TOKENS=N` (tests, operators) overrides the extra room, in tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+logger = logging.getLogger("pagedweight")
+
+MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
+CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+MHA_POOL = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool"
+SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+
+EXTRA_TOKENS_ENV = "PAGEDWEIGHT_ELASTIC_KV_EXTRA_TOKENS"
+MAX_EXTRA_ATTR = "_paged_weight_max_extra_kv_bytes"  # optional override the runtime may set on the model runner
+KV_ATTR = "_paged_weight_kv"
+STATE_KEY = "paged_weight_kv"
+RESIZE_KEY = "paged_weight_kv_capacity_tokens"  # SetInternalStateReq takes numeric values only
+
+
+class ElasticKVSetupError(RuntimeError):
+    """The elastic KV cache cannot be set up for this server configuration; the message says why."""
+
+
+@dataclass
+class _Sizing:
+    """One alloc_memory_pool call of the target model runner, shared by the nested hooks."""
+
+    extra_bytes: Optional[int]
+    extra_tokens: Optional[int]
+    device: str
+    capacity_tokens: int = 0
+    max_tokens: int = 0
+    owner: Any = None
+
+
+_PENDING: Optional[_Sizing] = None
+
+
+def _enabled(server_args: Any) -> bool:
+    from pagedweight.patches.server_args import get_config
+
+    return get_config(server_args).enable
+
+
+def max_extra_kv_bytes(model_runner: Any) -> Optional[int]:
+    """Bytes the expert weights can give up: between their initial and floor bitwidths (None: use the
+    env override in tokens)."""
+    if os.environ.get(EXTRA_TOKENS_ENV):
+        return None
+    explicit = getattr(model_runner, MAX_EXTRA_ATTR, None)
+    if explicit is not None:
+        return int(explicit)
+    from pagedweight.paged_runtime import find_runtime
+
+    runtime = find_runtime(model_runner)
+    if runtime is None:
+        raise ElasticKVSetupError(
+            "--enable-paged-weight: the PagedWeight runtime was not started before SGLang allocated its KV "
+            f"pool, so the elastic KV cache cannot be sized (set {EXTRA_TOKENS_ENV} to size it by hand)"
+        )
+    return max(0, int(runtime.weight_bytes()) - int(runtime.bytes_at_floor()))
+
+
+def _extra_tokens_env() -> Optional[int]:
+    raw = os.environ.get(EXTRA_TOKENS_ENV)
+    if not raw:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ElasticKVSetupError(f"{EXTRA_TOKENS_ENV} must be a whole number of tokens, got {raw!r}") from None
+    if n < 0:
+        raise ElasticKVSetupError(f"{EXTRA_TOKENS_ENV} must be >= 0, got {n}")
+    return n
+
+
+# -- sizing ---------------------------------------------------------------------------------------------
+
+
+def alloc_memory_pool_around(original, model_runner, *args, **kwargs):
+    global _PENDING
+    if not _enabled(model_runner.server_args) or model_runner.is_draft_worker:
+        return original(model_runner, *args, **kwargs)
+    sizing = _Sizing(max_extra_kv_bytes(model_runner), _extra_tokens_env(), str(model_runner.device))
+    _PENDING = sizing
+    try:
+        result = original(model_runner, *args, **kwargs)
+    finally:
+        _PENDING = None
+    if not sizing.max_tokens:
+        raise ElasticKVSetupError("SGLang allocated its KV pool without resolving a pool config; cannot size it")
+    _install(model_runner, sizing)
+    return result
+
+
+def _install(model_runner: Any, sizing: _Sizing) -> None:
+    from pagedweight.elastic_kv import ElasticKVCache
+    from pagedweight.elastic_kv_backing import make_backing
+
+    pool = model_runner.token_to_kv_pool
+    if sizing.device.startswith("cuda") and sizing.owner is None:
+        raise ElasticKVSetupError(
+            f"elastic KV on CUDA needs the VMM-backed MHA pool; {type(pool).__name__} was built without it"
+        )
+    backing = make_backing(pool, sizing.capacity_tokens, sizing.owner)
+    kv = ElasticKVCache(
+        pool,
+        model_runner.token_to_kv_pool_allocator,
+        capacity_tokens=sizing.capacity_tokens,
+        max_tokens=sizing.max_tokens,
+        backing=backing,
+    )
+    if sizing.owner is not None and not getattr(pool, "post_capture_active", False):
+        backing.grow_to(sizing.capacity_tokens)  # no post-capture finalize will map it: map the capacity now
+    kv.bind_model_runner(model_runner)
+    setattr(model_runner, KV_ATTR, kv)
+    logger.info(
+        "PagedWeight elastic KV: %d tokens usable of %d (+%d parked), %d B/token, backing %s",
+        kv.capacity_tokens, kv.max_tokens, kv.parked_tokens, kv.bytes_per_token, type(backing).__name__,
+    )
+
+
+def resolve_memory_pool_config_around(original, configurator, *args, **kwargs):
+    config = original(configurator, *args, **kwargs)
+    sizing = _PENDING
+    if sizing is None or configurator.is_draft_worker:
+        return config
+    if configurator.is_hybrid_swa or configurator.mambaish_config is not None or configurator.use_mla_backend:
+        raise ElasticKVSetupError(
+            "elastic KV cache supports plain multi-head-attention KV pools; this model uses a hybrid "
+            "(sliding-window / Mamba) or MLA pool"
+        )
+    from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
+
+    cell = getattr(create_memory_pool_configurator(configurator), "_cell_size", None)
+    if not cell:
+        raise ElasticKVSetupError("cannot read SGLang's KV bytes per token (pool configurator has no cell size)")
+    page = configurator.pool_page_size
+    cap = config.max_total_num_tokens // page * page
+    extra = sizing.extra_tokens if sizing.extra_tokens is not None else sizing.extra_bytes // cell
+    extra = extra // page * page
+    sizing.capacity_tokens, sizing.max_tokens = cap, cap + extra
+    return dataclasses.replace(config, max_total_num_tokens=cap + extra)
+
+
+def _vmm_buffers(pool: Any) -> None:
+    """Put the pool's K/V buffers into a chunk-mapped CUDA VMM reservation of `pool.size` tokens."""
+    import torch
+
+    from pagedweight.elastic_kv_backing import elastic_vmm_owner_class
+
+    if getattr(pool, "kv_cache_layout", None) == "vectorized_5d":
+        raise ElasticKVSetupError("elastic KV cache does not support the vectorized_5d KV layout")
+    dev = torch.device(pool.device)
+    device_id = dev.index if dev.index is not None else torch.cuda.current_device()
+    owner = elastic_vmm_owner_class()(
+        device=pool.device,
+        device_id=device_id,
+        store_dtype=pool.store_dtype,
+        page_size=pool.page_size,
+        reserved_num_tokens=pool.size,
+        buffer_descs=pool._build_kv_buffer_descs(),
+    )
+    pool._post_capture_owner = owner  # SGLang's _clear_buffers closes it, post_capture_backed_bytes reads it
+    pool._assign_post_capture_tensors(owner.tensors)
+    _PENDING.owner = owner
+
+
+def create_buffers_normal_around(original, pool, *args, **kwargs):
+    if _PENDING is None or not str(pool.device).startswith("cuda"):
+        return original(pool, *args, **kwargs)
+    _vmm_buffers(pool)
+
+
+def alloc_post_capture_buffers_around(original, pool, *args, **kwargs):
+    if _PENDING is None:
+        return original(pool, *args, **kwargs)
+    _vmm_buffers(pool)
+
+
+def post_capture_resize_around(original, model_runner, *args, **kwargs):
+    result = original(model_runner, *args, **kwargs)
+    kv = getattr(model_runner, KV_ATTR, None)
+    if kv is not None:
+        kv.rebase(model_runner.max_total_num_tokens)
+        logger.info("PagedWeight elastic KV: post-capture capacity %d of %d tokens", kv.capacity_tokens, kv.max_tokens)
+    return result
+
+
+# -- serving --------------------------------------------------------------------------------------------
+
+
+def scheduler_init_after(result, scheduler, *args, **kwargs):
+    kv = getattr(scheduler.tp_worker.model_runner, KV_ATTR, None)
+    if kv is not None:
+        kv.bind_scheduler(scheduler)
+        setattr(scheduler, KV_ATTR, kv)
+    return result
+
+
+def get_next_batch_before(scheduler, *args, **kwargs):
+    kv = getattr(scheduler, KV_ATTR, None)
+    if kv is not None:
+        kv.poll()  # CUDA: unmap parked tail chunks whose fence is done (O(1) when none are pending)
+    return None
+
+
+def set_internal_state_around(original, scheduler, recv_req, *args, **kwargs):
+    server_args = getattr(recv_req, "server_args", None) or {}
+    if RESIZE_KEY not in server_args:
+        return original(scheduler, recv_req, *args, **kwargs)
+    from sglang.srt.managers.io_struct import SetInternalStateReqOutput
+
+    kv = getattr(scheduler, KV_ATTR, None)
+    if kv is None or len(server_args) != 1:
+        logger.warning(
+            "set_internal_state %s: needs an elastic KV cache (--enable-paged-weight) and no other key, got %r",
+            RESIZE_KEY, server_args,
+        )
+        return SetInternalStateReqOutput(updated=False)
+    want = int(server_args[RESIZE_KEY])
+    got = kv.resize_to(want)
+    clamped = min(max(want, kv.min_tokens), kv.max_tokens)
+    logger.info("PagedWeight elastic KV: capacity %d requested, now %d tokens", want, got)
+    return SetInternalStateReqOutput(updated=got == clamped)
+
+
+def get_internal_state_after(result, scheduler, *args, **kwargs):
+    kv = getattr(scheduler, KV_ATTR, None)
+    # The scheduler answers with GetInternalStateReqOutput(internal_state=dict) in 0.5.17.
+    state = result if isinstance(result, dict) else getattr(result, "internal_state", None)
+    if kv is not None and isinstance(state, dict):
+        state[STATE_KEY] = kv.state_dict()
+    return result
+
+
+def register(registry, hook_type) -> None:
+    registry.register(f"{MODEL_RUNNER}.alloc_memory_pool", alloc_memory_pool_around, hook_type.AROUND)
+    registry.register(f"{MODEL_RUNNER}.post_capture_resize_kv_pool", post_capture_resize_around, hook_type.AROUND)
+    registry.register(f"{CONFIGURATOR}._resolve_memory_pool_config", resolve_memory_pool_config_around, hook_type.AROUND)
+    registry.register(f"{MHA_POOL}._create_buffers_normal", create_buffers_normal_around, hook_type.AROUND)
+    registry.register(f"{MHA_POOL}._alloc_post_capture_buffers", alloc_post_capture_buffers_around, hook_type.AROUND)
+    registry.register(f"{SCHEDULER}.__init__", scheduler_init_after, hook_type.AFTER)
+    registry.register(f"{SCHEDULER}.get_next_batch_to_run", get_next_batch_before, hook_type.BEFORE)
+    registry.register(f"{SCHEDULER}.set_internal_state", set_internal_state_around, hook_type.AROUND)
+    registry.register(f"{SCHEDULER}.get_internal_state", get_internal_state_after, hook_type.AFTER)
