@@ -309,8 +309,8 @@ class ElasticKVCache:
         return self.capacity_tokens
 
     def _units_for_release(self, keep_bytes: int) -> int:
-        """The smallest capacity (units, >= min) still backed by more than... i.e. whose backing is
-        >= keep_bytes: shrinking to it releases at most the requested bytes."""
+        """The smallest capacity (units, >= min) whose backing is still >= keep_bytes: shrinking to it
+        releases at most the requested bytes."""
         ps = self.page_size
         lo, hi = self._min_units, self._cap_units
         while lo < hi:
