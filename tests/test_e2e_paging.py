@@ -61,6 +61,7 @@ def test_burst_offloads_and_quiet_reloads(paging_server):
     before = requests.post(url + "/generate", json=PROBE, timeout=120).json()["text"]
     start = _state(url)
     assert start["committed_bits_histogram"] == {"8": len(start["blocks"])}
+    kv0 = start["elastic_kv"]["capacity_tokens"]
 
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
     prompts = [" ".join(words[(i + j) % len(words)] for j in range(90)) for i in range(6)]
@@ -75,6 +76,8 @@ def test_burst_offloads_and_quiet_reloads(paging_server):
         burst = pool.map(one, prompts)
         # While the burst runs, the KV cache fills and the weights must give memory back.
         low = _wait_for(url, lambda st: st["counters"]["offloads_committed"] > 0, 300, "an offload")
+        # The freed weight bytes become KV token slots.
+        grown = _wait_for(url, lambda st: st["elastic_kv"]["capacity_tokens"] > kv0, 120, "the KV cache to grow")
         done = list(burst)
     assert done == [40] * len(prompts), "every request of the burst completes"
     assert any(int(b) < 8 for b in low["committed_bits_histogram"]), low["committed_bits_histogram"]
@@ -83,6 +86,9 @@ def test_burst_offloads_and_quiet_reloads(paging_server):
     back = _wait_for(url, lambda st: st["committed_bits_histogram"] == {"8": total}, 300, "reload to 8 bits")
     assert back["counters"]["reloads_committed"] > total  # the initial load plus the reloads
     assert back["weights_resident_bytes"] == start["weights_resident_bytes"]
+    # The KV cache gave the slots back for the reload.
+    assert back["elastic_kv"]["capacity_tokens"] < grown["elastic_kv"]["capacity_tokens"]
+    assert back["counters"]["bytes_to_kv"] > 0
     after = requests.post(url + "/generate", json=PROBE, timeout=120).json()["text"]
     assert after == before
 

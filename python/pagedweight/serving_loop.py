@@ -73,7 +73,13 @@ class PagedWeightScheduler:
         low = max(1, math.ceil(cfg.kv_low_watermark * capacity_blocks))
         high = max(low + 1, math.ceil(cfg.kv_high_watermark * capacity_blocks))
         signal = KVPressureSignal(low, bytes_per_token * page, high)
-        runtime.budget.add_capacity("kv", scheduler.max_total_num_tokens * bytes_per_token)
+        if kv is not None:
+            # The elastic KV cache accounts in its backing's bytes (whole chunks on CUDA); what it has
+            # mapped now is the KV side's starting share, and its grows/shrinks move bytes from then on.
+            runtime.budget.add_capacity("kv", kv.state().mapped_bytes)
+            kv.attach_budget(runtime.budget)
+        else:
+            runtime.budget.add_capacity("kv", scheduler.max_total_num_tokens * bytes_per_token)
         ap_dir = None if scheduler.server_args.load_format == "dummy" else cfg.resolve_ap_dir(scheduler.server_args.model_path)
         policy = make_runtime_policy(cfg, ap_dir)
         controller = PagingController(
@@ -118,7 +124,9 @@ class PagedWeightScheduler:
 
     def state(self) -> dict:
         sig = self.controller.signal
+        kv = self.controller.kv
         return {
+            "elastic_kv": kv.state_dict() if kv is not None else None,
             "iteration": self.iteration,
             "policy": type(self.controller.policy).__name__,
             "kv": {
