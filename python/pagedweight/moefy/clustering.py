@@ -26,7 +26,7 @@ def neuron_features(gate_proj: np.ndarray, up_proj: np.ndarray) -> np.ndarray:
         norms = np.linalg.norm(matrix, axis=1, keepdims=True)
         return matrix / np.maximum(norms, 1e-12)
 
-    return np.concatenate([unit_rows(gate_proj), unit_rows(up_proj)], axis=1).astype(np.float64)
+    return np.concatenate([unit_rows(gate_proj), unit_rows(up_proj)], axis=1).astype(np.float32)
 
 
 def _squared_distances(points: np.ndarray, centroids: np.ndarray) -> np.ndarray:
@@ -49,7 +49,8 @@ def balanced_assignment(points: np.ndarray, centroids: np.ndarray) -> np.ndarray
     """Label each point with a centroid so that every centroid gets exactly n / k points, total distance min."""
     num_points, num_clusters = len(points), len(centroids)
     size = num_points // num_clusters
-    cost = np.repeat(_squared_distances(points, centroids), size, axis=1)  # [n, k * size] = [n, n]
+    # float64 costs: the assignment solver compares sums of many small differences.
+    cost = np.repeat(_squared_distances(points, centroids).astype(np.float64), size, axis=1)  # [n, n]
     rows, slots = linear_sum_assignment(cost)
     labels = np.empty(num_points, dtype=np.int64)
     labels[rows] = slots // size
@@ -63,7 +64,9 @@ def balanced_kmeans(
 
     Deterministic for a seed. Stops early when an iteration changes no label.
     """
-    points = np.asarray(points, dtype=np.float64)
+    points = np.asarray(points)
+    if points.dtype not in (np.float32, np.float64):
+        points = points.astype(np.float64)
     if points.ndim != 2:
         raise ValueError(f"points must be 2-D, got shape {points.shape}")
     if num_clusters < 1 or len(points) % num_clusters:
@@ -73,7 +76,10 @@ def balanced_kmeans(
     rng = np.random.default_rng(seed)
     labels = balanced_assignment(points, _kmeans_plus_plus(points, num_clusters, rng))
     for _ in range(iterations):
-        centroids = np.stack([points[labels == cluster].mean(0) for cluster in range(num_clusters)])
+        # Balanced clusters all have n / k members, so every centroid is a one-hot matmul / size.
+        one_hot = np.zeros((num_clusters, len(points)), dtype=points.dtype)
+        one_hot[labels, np.arange(len(points))] = 1.0
+        centroids = (one_hot @ points) / (len(points) // num_clusters)
         new_labels = balanced_assignment(points, centroids)
         if np.array_equal(new_labels, labels):
             break

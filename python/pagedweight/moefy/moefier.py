@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedweight.moefy.clustering import balanced_kmeans, groups_from_labels, neuron_features
-from pagedweight.moefy.moe_ffn import ExpertSplit, dense_ffn, expert_outputs, mixtral_routing, split_ffn
+from pagedweight.moefy.moe_ffn import ExpertSplit, dense_ffn, mixtral_routing, split_ffn
 from pagedweight.moefy.router import RouterFitConfig, fit_router, flatten_router, selection_recall
 
 SplitMethod = Literal["weights", "activations"]
@@ -39,8 +39,8 @@ class MoefyLayerConfig:
     num_experts: int
     top_k_candidates: tuple[int, ...]  # top-k values to fit a scale for (the chosen one among them)
     split: SplitMethod = "activations"
-    kmeans_iterations: int = 15
-    profile_tokens: int = 4096  # calibration tokens in each neuron's activation profile
+    kmeans_iterations: int = 10
+    profile_tokens: int = 2048  # calibration tokens in each neuron's activation profile
     holdout_fraction: float = 0.125  # calibration tokens kept out of fitting, for diagnostics
     router: RouterFitConfig = RouterFitConfig()
     router_logit_std: float = 1e-3
@@ -68,7 +68,7 @@ def _neuron_features(
         hidden = F.silu(inputs @ gate_proj.T) * (inputs @ up_proj.T)
         profile = hidden.abs() * down_proj.norm(dim=0)
         profile = profile / profile.norm(dim=0, keepdim=True).clamp_min(1e-12)
-        return profile.T.double().numpy()
+        return profile.T.contiguous().numpy()
     raise ValueError(f"unknown split method {method!r}; choose one of {', '.join(SPLIT_METHODS)}")
 
 
@@ -105,7 +105,8 @@ def moefy_layer(
     labels = balanced_kmeans(features, num_experts, config.kmeans_iterations, seed=config.seed + layer_seed)
     split = split_ffn(gate_proj, up_proj, down_proj, torch.from_numpy(groups_from_labels(labels, num_experts)))
 
-    fit_outputs = expert_outputs(fit_inputs, split)  # [E, N, H]
+    fit_hidden = _expert_hidden(fit_inputs, split)  # [E, N, I_e], computed once: the costly part
+    fit_outputs = torch.einsum("eni,ehi->enh", fit_hidden, split.w2)  # [E, N, H]
     fit_norms = fit_outputs.norm(dim=-1).T  # [N, E]
     router = flatten_router(fit_router(fit_inputs, fit_norms, config.router), fit_inputs, config.router_logit_std)
     fit_dense = fit_outputs.sum(0)  # == dense FFN output, exactly (up to float rounding)
@@ -122,9 +123,9 @@ def moefy_layer(
         scales[top_k] = float((combined * fit_dense).sum() / (combined * combined).sum().clamp_min(1e-30))
         down_by_top_k[top_k] = split.w2 * scales[top_k]
         if config.refit_down:
-            down_by_top_k[top_k] = _refit_down(split, fit_inputs, fit_dense, weights, ids, down_by_top_k[top_k],
+            down_by_top_k[top_k] = _refit_down(fit_hidden, fit_dense, weights, ids, down_by_top_k[top_k],
                                                config.refit_ridge)
-    del fit_outputs
+    del fit_outputs, fit_hidden
 
     layer = MoefiedLayer(split=split, router=router, output_scales=scales, down_by_top_k=down_by_top_k)
     if holdout:
@@ -145,8 +146,7 @@ def _routed_hidden(hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
 
 
 def _refit_down(
-    split: ExpertSplit,
-    inputs: torch.Tensor,
+    hidden: torch.Tensor,
     dense: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
@@ -154,12 +154,12 @@ def _refit_down(
     ridge: float,
 ) -> torch.Tensor:
     """Ridge least squares for all experts' w2 given the routing: min ||A W - Y||^2 + lam ||W - W0||^2."""
-    routed = _routed_hidden(_expert_hidden(inputs, split), weights, ids).double()  # [N, E * I_e]
-    gram = routed.T @ routed
+    routed = _routed_hidden(hidden, weights, ids)  # [N, E * I_e]
+    gram = (routed.T @ routed).double()  # float32 products (fast), float64 solve (well conditioned)
     lam = ridge * gram.diagonal().mean()
     num_experts, hidden_size, expert_size = prior.shape
     prior_flat = prior.permute(0, 2, 1).reshape(num_experts * expert_size, hidden_size).double()
-    rhs = routed.T @ dense.double() + lam * prior_flat
+    rhs = (routed.T @ dense).double() + lam * prior_flat
     solution = torch.linalg.solve(gram + lam * torch.eye(len(gram), dtype=gram.dtype), rhs)
     return solution.float().reshape(num_experts, expert_size, hidden_size).permute(0, 2, 1).contiguous()
 
