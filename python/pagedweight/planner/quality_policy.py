@@ -9,14 +9,16 @@ Predicted damage of lowering block i = (l, e, u) from b to b' = b - 1 (eq. 8):
 Floor stages (Algorithm 1's BitwidthFloorStages): stage s allows a block down to its bucket's stage-s
 floor; stages go from the most protective to the loosest. Each stage yields a greedy plan (steps by
 smallest damage per freed byte until D is met); SelectBestPlan takes the plan of the first stage that
-can meet D, so floors are relaxed only as far as the pressure needs and no block goes below the floor
-of a stage the planner has not reached. A pruning pass then drops steps the target does not need. The
+could free (1 + stage_slack) * D (else the loosest), so floors are relaxed only as far as the pressure
+needs, the damage ranking has room to choose, and no block goes below the floor of a stage the planner
+has not reached. A pruning pass then drops steps the target does not need. The
 plan queue holds the greedy order under the loosest floors with each step's first allowed stage (every
 stage's order is a filter of it); it is rebuilt only when the state changes (desired bits, floors,
 routing statistics, prompt features), so `refresh()` can run every scheduler iteration and the plan
 itself is a filter-and-prefix lookup when pressure triggers.
 
-Ablation switches (QualityOptions): routing statistics (off: every block warm, mu = 1), prompt residual
+Ablation switches (QualityOptions): routing statistics (off: no buckets, so mu = 1 and one stage with the
+table's floors), prompt residual
 (off: eta = 1), page movement (off: bits lowered under pressure are never raised again), global
 sensitivity (off: g = number of bits dropped, so only bytes, buckets and eta rank the steps).
 """
@@ -54,6 +56,9 @@ class QualityOptions:
     # New routing statistics / prompt features rebuild the plan queue at most this often (Observation.now_s);
     # a change of desired bits or floors always rebuilds it. 0 = rebuild on every change.
     rebuild_interval_s: float = 0.5
+    # A floor stage is used only if it could free (1 + stage_slack) * D, so the damage ranking, not the
+    # floor cut, decides which blocks move; when no stage has that room, the loosest stage is used.
+    stage_slack: float = 0.25
 
     def __post_init__(self) -> None:
         if not self.eps > 0:
@@ -62,6 +67,8 @@ class QualityOptions:
             raise ValueError(f"alpha must be >= 0, got {self.alpha}")
         if not (self.horizon_tokens > 0 and self.prior_tokens > 0):
             raise ValueError("horizon_tokens and prior_tokens must be > 0")
+        if not self.stage_slack >= 0:
+            raise ValueError(f"stage_slack must be >= 0, got {self.stage_slack}")
         if not self.rebuild_interval_s >= 0:
             raise ValueError(f"rebuild_interval_s must be >= 0, got {self.rebuild_interval_s}")
 
@@ -236,7 +243,14 @@ class QualityPolicy:
             eta = float(self.calib.residual.eta(row.key.proj, bits_from, bits_to, phi, opt.alpha))
         return max(opt.eps, mu * g * eta)
 
+    @property
+    def num_stages(self) -> int:
+        """Floor stages in use; without routing statistics there are no buckets, so one stage (table floors)."""
+        return self.calib.buckets.num_stages if self.options.use_routing_stats else 1
+
     def _stage_floor(self, row: BlockView, stage: int) -> int:
+        if not self.options.use_routing_stats:
+            return row.floor_bits
         return max(row.floor_bits, self.calib.buckets.floor(stage, self._bucket(row)))
 
     # ---- plan queue -----------------------------------------------------------------------------
@@ -334,7 +348,7 @@ class QualityPolicy:
 
     def _build_queue(self, rows: list[BlockView], signature: tuple) -> PlanQueue:
         costs = self.step_costs(rows)
-        num_stages = self.calib.buckets.num_stages
+        num_stages = self.num_stages
         floors = [[self._stage_floor(r, st) for st in range(num_stages)] for r in rows]  # non-increasing
         loosest = [f[-1] for f in floors]
         bits = [r.desired_bits for r in rows]
@@ -359,14 +373,15 @@ class QualityPolicy:
         if target_bytes <= 0:
             return self._finish(table, [], "offload", target_bytes, True, -1)
         freed = np.array([a.freed for a in queue.actions], dtype=np.int64)
-        # SelectBestPlan: the most protective floor stage whose greedy plan reaches the target
-        for stage in range(queue.num_stages):
-            idx = queue.stage_indices(stage)
-            cumulative = np.cumsum(freed[idx])
-            if cumulative.size and cumulative[-1] >= target_bytes:
-                n = int(np.searchsorted(cumulative, target_bytes, side="left")) + 1
-                selected = self._prune([queue.actions[j] for j in idx[:n]], target_bytes)
-                return self._finish(table, selected, "offload", target_bytes, True, stage)
+        # SelectBestPlan: the most protective floor stage with room to choose (stage_slack), else the loosest
+        want = target_bytes * (1.0 + self.options.stage_slack)
+        stage = next((st for st in range(queue.num_stages) if queue.max_freeable(st) >= want), queue.num_stages - 1)
+        idx = queue.stage_indices(stage)
+        cumulative = np.cumsum(freed[idx])
+        if cumulative.size and cumulative[-1] >= target_bytes:
+            n = int(np.searchsorted(cumulative, target_bytes, side="left")) + 1
+            selected = self._prune([queue.actions[j] for j in idx[:n]], target_bytes)
+            return self._finish(table, selected, "offload", target_bytes, True, stage)
         # even the loosest floors do not reach the target: free everything they allow
         return self._finish(table, list(queue.actions), "offload", target_bytes, False, queue.num_stages - 1)
 
