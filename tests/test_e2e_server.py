@@ -110,3 +110,27 @@ def test_mixtral_with_kmeans_tables_serves(tiny_mixtral, server_env, cpu_server_
         assert any("PagedWeight:" in l and "at 3 bits" in l for l in srv.log().splitlines())
     finally:
         srv.stop()
+
+
+def test_hf_checkpoint_plus_separate_ap_dir(server, tiny_qwen2_moe, server_env, cpu_server_flags, work_dir):
+    """--model-path <HF bf16 checkpoint> --paged-weight-path <AP dir>: SGLang streams the bf16 experts from
+    disk and the plugin drops them; the answers equal the converted model's (same planes, same bitwidth)."""
+    from pagedweight.convert import convert_checkpoint
+
+    ap_only = convert_checkpoint(tiny_qwen2_moe, work_dir / "ap-standalone", bits_min=2, bits_max=8, seed=0,
+                                 standalone_ap_dir=True)
+    payload = {"text": "The quick brown fox", "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    expected = requests.post(server.url + "/generate", json=payload, timeout=120).json()["text"]
+    srv = launch_server(
+        tiny_qwen2_moe,
+        ["--enable-paged-weight", "--paged-weight-path", str(ap_only), "--paged-weight-bits", "4"] + cpu_server_flags,
+        server_env,
+        work_dir / "server-hf-plus-ap.log",
+    )
+    try:
+        wait_healthy(srv)
+        got = requests.post(srv.url + "/generate", json=payload, timeout=120).json()["text"]
+        assert got == expected
+        assert any("PagedWeight:" in l and "at 4 bits" in l for l in srv.log().splitlines())
+    finally:
+        srv.stop()
