@@ -1,0 +1,97 @@
+"""Build or reuse the experiment's artifacts in a cache directory, each by its own `pagedweight` command.
+
+    cache/moe/                    pagedweight moefy --out cache/moe
+    cache/text/{kind}_calibration.txt  pagedweight.moefy.text.calibration_text(kind)
+    cache/ap-{kind}/              pagedweight convert --table-kind {kind} --group-size G --calib-text ...
+    cache/ap-bcq/.../calibration-{text}.json   pagedweight calibrate --text cache/text/{text}_calibration.txt
+
+An artifact is reused when its directory (or file) is complete: a model with config.json, an AP checkpoint
+with its manifest (written last by the converter), a calibration file (written atomically). The exact
+command of every artifact is recorded, whether it ran now or earlier.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class ArtifactLog:
+    commands: list[dict] = field(default_factory=list)
+
+    def run(self, argv: list[str], output: Path, reuse: bool) -> None:
+        """Run `python -m pagedweight ARGV` unless `reuse`; record the command either way."""
+        cmd = [sys.executable, "-m", "pagedweight", *argv]
+        shown = "pagedweight " + " ".join(shlex.quote(a) for a in argv)
+        entry = {"command": shown, "output": str(output), "reused": reuse}
+        if not reuse:
+            print(f"[quality] running: {shown}", flush=True)
+            start = time.perf_counter()
+            subprocess.run(cmd, check=True)
+            entry["seconds"] = round(time.perf_counter() - start, 1)
+        else:
+            print(f"[quality] reusing {output} ({shown})", flush=True)
+        self.commands.append(entry)
+
+
+def text_file(cache: Path, kind: str, split: str = "calibration") -> Path:
+    from pagedweight.moefy import text
+
+    path = cache / "text" / f"{kind}_{split}.txt"
+    body = text.calibration_text(kind) if split == "calibration" else text.evaluation_text(kind)
+    if not path.is_file() or path.read_text(encoding="utf-8") != body:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(body, encoding="utf-8")
+    return path
+
+
+def ensure_model(cache: Path, log: ArtifactLog, model_dir: Path | None = None, threads: int = 2) -> Path:
+    if model_dir is not None:  # given by the user: not rebuilt
+        if not (Path(model_dir) / "config.json").is_file():
+            raise SystemExit(f"--model-dir {model_dir}: no config.json")
+        log.commands.append({"command": f"(given) --model-dir {model_dir}", "output": str(model_dir), "reused": True})
+        return Path(model_dir)
+    out = cache / "moe"
+    done = (out / "config.json").is_file() and any(out.glob("*.safetensors"))
+    log.run(["moefy", "--out", str(out), "--threads", str(threads), "--quiet"], out, reuse=done)
+    return out
+
+
+def expert_width(model_dir: Path) -> int:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(cfg.get("intermediate_size") or cfg.get("moe_intermediate_size"))
+
+
+def group_size_for(model_dir: Path) -> int:
+    """128 unless the expert width (the down projection's K) is not a multiple of it (192 -> 64)."""
+    width = expert_width(model_dir)
+    for g in (128, 64, 32, 16, 8):
+        if width % g == 0:
+            return g
+    raise SystemExit(f"expert width {width} has no power-of-two group size >= 8")
+
+
+def ensure_ap(cache: Path, log: ArtifactLog, model_dir: Path, kind: str, calib_text: Path,
+              calib_tokens: int, seed: int) -> Path:
+    out = cache / f"ap-{kind}"
+    done = (out / "pagedweight" / "manifest.json").is_file()
+    argv = ["convert", "--model", str(model_dir), "--out", str(out), "--table-kind", kind, "--bits-min", "2",
+            "--bits-max", "8", "--group-size", str(group_size_for(model_dir)), "--calib-text", str(calib_text),
+            "--calib-tokens", str(calib_tokens), "--seed", str(seed)]
+    log.run(argv, out, reuse=done)
+    return out
+
+
+def ensure_calibration(log: ArtifactLog, model_dir: Path, ap_dir: Path, text: Path, text_kind: str,
+                       tokens: int) -> Path:
+    out = ap_dir / "pagedweight" / f"calibration-{text_kind}-{tokens}.json"
+    argv = ["calibrate", "--model", str(model_dir), "--ap", str(ap_dir), "--text", str(text),
+            "--tokens", str(tokens), "--out", str(out)]
+    log.run(argv, out, reuse=out.is_file())
+    return out

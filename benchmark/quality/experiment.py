@@ -1,0 +1,272 @@
+"""The measurements of benchmark/quality_curve.py, on a model + AP checkpoints + calibration that exist.
+
+All points are measured on one transformers model whose expert weights are swapped in place
+(swap.ExpertBank); a point whose assignment was already measured on the same text is not measured again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagedweight.format.checkpoint import APCheckpoint
+from pagedweight.moefy import text as texts
+from pagedweight.moefy.perplexity import evaluate, reference_logits, token_windows
+from pagedweight.planner.calibration import load_for_checkpoint
+from pagedweight.planner.hotness_policy import HotnessPolicy
+from pagedweight.planner.quality_policy import QualityOptions, QualityPolicy
+from pagedweight.planner.routing_stats import BlockBuckets
+from pagedweight.runtime.planner_api import Observation
+
+from .planning import PlannedPoint, bytes_of, plan_to_budget, spike_then_relax, uniform
+from .report import cheapest_bf16_equivalent, gap_closed
+from .swap import ExpertBank, runtime_blocks
+from .traffic import RecordedTraffic, TrafficRecorder, record_traffic
+
+
+@dataclass
+class ExperimentConfig:
+    model_dir: Path
+    ap_dirs: dict  # table kind -> AP checkpoint dir ("bcq" required; "kmeans" optional)
+    calibration: Path  # calibration.json for the bcq checkpoint
+    calib_kind: str = "wiki"
+    shift_kind: str | None = "news"
+    calib_tokens: int = 8192
+    seq_len: int = 512
+    windows: int = 16
+    bits: tuple[int, ...] = (3, 4, 5, 6)
+    extra_bits: tuple[float, ...] = (3.5, 4.5, 5.5, 7.0)
+    refine: int = 1
+    progress: bool = True
+
+
+@dataclass
+class TextSet:
+    kind: str
+    ids: torch.Tensor
+    reference: torch.Tensor
+    served: RecordedTraffic  # routing of the bf16 model on this text (what the MoE forward would record)
+
+
+@dataclass
+class Evaluator:
+    model: torch.nn.Module
+    bank: ExpertBank
+    progress: bool
+    memo: dict = field(default_factory=dict)
+    evaluations: int = 0
+
+    def measure(self, ts: TextSet, assignment: dict, kind: str = "bcq") -> dict:
+        key = (ts.kind, kind, tuple(sorted((tuple(k), int(b)) for k, b in assignment.items())))
+        if key not in self.memo:
+            self.bank.apply(assignment, kind)
+            r = evaluate(self.model, ts.ids, ts.reference, progress=self.progress)
+            self.evaluations += 1
+            self.memo[key] = {"ppl": r["ppl"], "kl": r["kl"], "nll": r["nll"]}
+        return dict(self.memo[key])
+
+
+def _point(result: dict, planned: PlannedPoint | None = None, bytes_: int | None = None, **extra) -> dict:
+    out = dict(result)
+    if planned is not None:
+        out.update(bytes=planned.bytes, budget=planned.budget, within_budget=planned.bytes <= planned.budget,
+                   bits_histogram=planned.histogram(), plan=planned.reason)
+    else:
+        out["bytes"] = int(bytes_)
+    out.update(extra)
+    return out
+
+
+def _text_set(model, bank: ExpertBank, tokenizer, kind: str, cfg: ExperimentConfig) -> TextSet:
+    ids = token_windows(tokenizer, texts.evaluation_text(kind), cfg.seq_len, cfg.windows)
+    bank.restore()
+    with TrafficRecorder(model) as rec:
+        ref = reference_logits(model, ids, progress=cfg.progress)
+    return TextSet(kind, ids, ref, rec.snapshot())
+
+
+def _masses(weight_sums: np.ndarray) -> np.ndarray:
+    tot = weight_sums.sum(axis=1, keepdims=True)
+    return np.where(tot > 0, weight_sums / np.where(tot > 0, tot, 1), 1.0 / weight_sums.shape[1])
+
+
+def _budget_at(budgets: dict[int, int], bits: float, blocks) -> int:
+    lo, hi = int(np.floor(bits)), int(np.ceil(bits))
+    b_lo = budgets.get(lo) or bytes_of(blocks, uniform(blocks, lo))
+    b_hi = budgets.get(hi) or bytes_of(blocks, uniform(blocks, hi))
+    return int(round(b_lo + (bits - lo) * (b_hi - b_lo)))
+
+
+def run_experiment(cfg: ExperimentConfig) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = Path(cfg.model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    ckpts = {k: APCheckpoint.open(d) for k, d in cfg.ap_dirs.items()}
+    for c in ckpts.values():
+        c.check_model_config(hf_config)
+    blocks = {k: runtime_blocks(c) for k, c in ckpts.items()}
+    bcq = blocks["bcq"]
+    calib = load_for_checkpoint(ckpts["bcq"].directory, cfg.calibration)
+    bank = ExpertBank(model, ckpts)
+    ev = Evaluator(model, bank, cfg.progress)
+    bf16_bytes = sum(spec.out_features * spec.in_features * 2 for _, spec in bcq)
+
+    main = _text_set(model, bank, tokenizer, cfg.calib_kind, cfg)
+    calib_windows = max(1, cfg.calib_tokens // cfg.seq_len)
+    calib_ids = token_windows(tokenizer, texts.calibration_text(cfg.calib_kind), cfg.seq_len, calib_windows)
+    calib_traffic = record_traffic(model, calib_ids, cfg.progress, desc="calibration-split routing counts")
+    hot_obs = Observation(now_s=0.0, routing_counts=calib_traffic.counts)
+
+    def quality(observer_from: TextSet | None = main, **options) -> QualityPolicy:
+        return QualityPolicy(calib, QualityOptions(**options),
+                             observer_from.served.observer() if observer_from is not None else None)
+
+    bf16 = _point(ev.measure(main, {}), bytes_=bf16_bytes)
+    budgets = {b: bytes_of(bcq, uniform(bcq, b)) for b in sorted({2, *cfg.bits})}
+
+    # ---- curves at equal bytes -----------------------------------------------------------------
+    curve = []
+    pw_points = []
+    for b in cfg.bits:
+        row = {"bits": b}
+        for kind in blocks:
+            a = uniform(blocks[kind], b)
+            row[f"uniform_{kind}"] = _point(ev.measure(main, a, kind), bytes_=bytes_of(blocks[kind], a))
+        planned = plan_to_budget(quality(), bcq, budgets[b])
+        row["pagedweight"] = _point(ev.measure(main, planned.assignment), planned)
+        pw_points.append({"bits": b, **row["pagedweight"]})
+        planned = plan_to_budget(HotnessPolicy(), bcq, budgets[b], hot_obs)
+        row["hotness"] = _point(ev.measure(main, planned.assignment), planned)
+        row["pagedweight_gap_closed"] = gap_closed(row["uniform_bcq"]["ppl"], row["pagedweight"]["ppl"], bf16["ppl"])
+        row["hotness_gap_closed"] = gap_closed(row["uniform_bcq"]["ppl"], row["hotness"]["ppl"], bf16["ppl"])
+        curve.append(row)
+        print(f"[quality] {b}-bit: uniform bcq {row['uniform_bcq']['ppl']:.3f}, PagedWeight {row['pagedweight']['ppl']:.3f}, "
+              f"hotness {row['hotness']['ppl']:.3f}, bf16 {bf16['ppl']:.3f}", flush=True)
+
+    # ---- extra budgets: the cheapest bf16-equivalent PagedWeight point -------------------------
+    extra = []
+
+    def pw_at(bits_equiv: float) -> dict:
+        planned = plan_to_budget(quality(), bcq, _budget_at(budgets, bits_equiv, bcq))
+        p = {"bits": round(bits_equiv, 3), **_point(ev.measure(main, planned.assignment), planned)}
+        extra.append(p)
+        pw_points.append(p)
+        return p
+
+    for x in cfg.extra_bits:
+        pw_at(x)
+    for _ in range(cfg.refine):
+        _, best = cheapest_bf16_equivalent(pw_points, bf16["ppl"], bf16_bytes)
+        if best is None:
+            break
+        cheaper = [p for p in pw_points if p["bytes"] < best["bytes"]]
+        lower = max(cheaper, key=lambda p: p["bytes"])["bits"] if cheaper else 2.0
+        mid = (lower + best["bits"]) / 2
+        if abs(mid - best["bits"]) < 0.05:
+            break
+        pw_at(mid)
+    extra.sort(key=lambda p: p["bytes"])
+    saving, best = cheapest_bf16_equivalent(pw_points, bf16["ppl"], bf16_bytes)
+
+    # ---- ablation at the 3-bit budget ----------------------------------------------------------
+    b3 = budgets[min(cfg.bits)]
+    spike = (budgets[2] + b3) // 2
+    variants = {
+        "full": lambda: plan_to_budget(quality(), bcq, b3),
+        "w/o routing statistics": lambda: plan_to_budget(quality(use_routing_stats=False), bcq, b3),
+        "w/o prompt residual": lambda: plan_to_budget(quality(use_prompt_residual=False), bcq, b3),
+        "w/o global sensitivity": lambda: plan_to_budget(quality(use_global_sensitivity=False), bcq, b3),
+        "full, spike then relax": lambda: spike_then_relax(quality(), bcq, spike, b3),
+        "w/o page movement (spike then relax)": lambda: spike_then_relax(quality(use_page_movement=False), bcq, spike, b3),
+        "full, calibration statistics only (no online traffic)": lambda: plan_to_budget(quality(None), bcq, b3),
+    }
+    ablation_rows = {}
+    full_assignment = None
+    for name, make in variants.items():
+        planned = make()
+        if full_assignment is None:
+            full_assignment = planned.assignment
+        ablation_rows[name] = _point(ev.measure(main, planned.assignment), planned,
+                                     same_assignment_as_full=planned.assignment == full_assignment)
+    u3 = curve[0]["uniform_bcq"]["ppl"]
+    for p in ablation_rows.values():
+        p["gap_closed"] = gap_closed(u3, p["ppl"], bf16["ppl"])
+
+    # ---- workload shift ------------------------------------------------------------------------
+    shift = None
+    if cfg.shift_kind:
+        ts = _text_set(model, bank, tokenizer, cfg.shift_kind, cfg)
+        rows = {"bf16": _point(ev.measure(ts, {}), bytes_=bf16_bytes)}
+        rows["uniform 3-bit bcq"] = _point(ev.measure(ts, uniform(bcq, min(cfg.bits))), bytes_=b3)
+        offline = plan_to_budget(quality(None), bcq, b3)
+        rows["PagedWeight, calibration statistics only"] = _point(ev.measure(ts, offline.assignment), offline)
+        online_policy = quality(ts)
+        online = plan_to_budget(online_policy, bcq, b3)
+        rows["PagedWeight, online statistics from the served text"] = _point(ev.measure(ts, online.assignment), online)
+        for p in rows.values():
+            p["gap_closed"] = gap_closed(rows["uniform 3-bit bcq"]["ppl"], p["ppl"], rows["bf16"]["ppl"])
+        served_mass = _masses(ts.served.traffic.routing.weight_sums)
+        calib_mass = np.asarray(calib.routing_mass)
+        online_mass = online_policy.stats.mass()
+        before = BlockBuckets.from_stats(calib.buckets, calib_mass * calib.num_experts).labels
+        after = BlockBuckets.from_stats(calib.buckets, online_policy.stats.normalized_mass()).labels
+        shift = {
+            "calibration_kind": cfg.calib_kind,
+            "evaluation_kind": cfg.shift_kind,
+            "budget_bytes": b3,
+            "rows": rows,
+            "plans_differ": offline.assignment != online.assignment,
+            "blocks_with_different_bits": sum(offline.assignment[k] != online.assignment[k] for k in offline.assignment),
+            "routing_adaptation": {
+                "l1_calibration_vs_served": float(np.abs(calib_mass - served_mass).sum(axis=1).mean()),
+                "l1_online_vs_served": float(np.abs(online_mass - served_mass).sum(axis=1).mean()),
+                "bucket_changes": sum(before[k] != after[k] for k in before),
+                "served_tokens": ts.served.tokens,
+            },
+        }
+
+    headline = {
+        "gap_closed_vs_uniform_3bit": curve[0]["pagedweight_gap_closed"] if cfg.bits[0] == 3 else None,
+        "memory_saving_at_bf16_equivalent": saving,
+    }
+    n_params = sum(spec.out_features * spec.in_features for _, spec in bcq)
+    return {
+        "headline": headline,
+        "headline_detail": {
+            "uniform_3bit_bcq_ppl": curve[0]["uniform_bcq"]["ppl"],
+            "pagedweight_3bit_budget_ppl": curve[0]["pagedweight"]["ppl"],
+            "bf16_ppl": bf16["ppl"],
+            "bf16_equivalent_point": best,
+            "tolerance": "ppl <= 1.01 * bf16 ppl",
+            "goals": {"gap_closed_vs_uniform_3bit": ">= 0.40", "memory_saving_at_bf16_equivalent": ">= 0.60"},
+        },
+        "model": {
+            "dir": str(model_dir),
+            "description": f"{hf_config.get('model_type')} with {hf_config.get('num_hidden_layers')} layers, "
+                           f"{hf_config.get('num_local_experts')} experts (top-{hf_config.get('num_experts_per_tok')}), "
+                           f"expert width {hf_config.get('intermediate_size')}, {n_params:,} expert weights",
+            "ap_dirs": {k: str(v) for k, v in cfg.ap_dirs.items()},
+            "group_size": {k: sorted({spec.group_size for _, spec in v}) for k, v in blocks.items()},
+            "calibration": str(cfg.calibration),
+            "calibration_source": calib.source,
+        },
+        "evaluation": {"text_kind": cfg.calib_kind, "seq_len": cfg.seq_len, "windows": int(main.ids.shape[0]),
+                       "tokens": int(main.ids.shape[0] * (main.ids.shape[1] - 1)),
+                       "online_traffic": "the quality policy's RoutingObserver is fed the routed inputs of the "
+                                         "evaluated text from the bf16 forward (what the MoE forward records while "
+                                         "serving it), except where a row says 'calibration statistics only'",
+                       "hotness_traffic": f"routing counts of {calib_traffic.tokens} calibration-split tokens",
+                       "evaluations": ev.evaluations},
+        "bf16": bf16,
+        "curve": curve,
+        "extra_budgets": extra,
+        "ablation": {"budget_bytes": b3, "spike_budget_bytes": spike, "rows": ablation_rows},
+        "workload_shift": shift,
+    }

@@ -1,0 +1,143 @@
+"""Quality-memory evidence for PagedWeight on a MoE with real trained weights (issue 5, item 6).
+
+    python benchmark/quality_curve.py [--cache-dir ~/.cache/pagedweight/quality] [--threads 2]
+
+One command, end to end (artifacts are reused from the cache dir when complete):
+1. `pagedweight moefy` (SmolLM2-135M-Instruct MoEfied into Mixtral), `pagedweight convert` to AP with
+   both table kinds (bits 2..8), `pagedweight calibrate` on the calibration split;
+2. perplexity and KL-to-bf16 on the held-out evaluation split for bf16, uniform AP (3..6 bits, bcq and
+   kmeans), PagedWeight's quality policy (bcq) at each uniform bcq point's bytes and a few extra budgets,
+   the hotness policy at the same budgets, the ablation table at the 3-bit budget, and a workload shift;
+3. writes docs/results/quality.json (headline, curves, ablation, shift, commands, machine, date) and
+   docs/results/quality.md.
+
+Expert weights are swapped in place in a transformers model (benchmark/quality/swap.py); each
+(table kind, tensor, bitwidth) is decoded once. Deterministic for a seed (CPU, fixed token windows,
+deterministic policies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from quality import artifacts  # noqa: E402
+from quality.experiment import ExperimentConfig, run_experiment  # noqa: E402
+from quality.report import markdown  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = None
+    try:
+        mem = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
+        pass
+    threads = torch.get_num_threads()
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": threads, "memory_gib": mem,
+            "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+            "summary": f"{cpu}, {threads} torch threads, CPU only, float32"}
+
+
+DISCUSSION_MARKER = "<!-- discussion: hand-written analysis below this line is kept when the file is regenerated -->"
+
+
+def _kept_discussion(md_path: Path) -> str:
+    """The hand-written analysis of an earlier quality.md (everything from the marker on), if any."""
+    if md_path.is_file():
+        old = md_path.read_text()
+        at = old.find(DISCUSSION_MARKER)
+        if at >= 0:
+            return "\n" + old[at:]
+    return ""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cache-dir", type=Path,
+                   default=Path(os.environ.get("PAGEDWEIGHT_CACHE", Path.home() / ".cache" / "pagedweight")) / "quality")
+    p.add_argument("--model-dir", type=Path, default=None, help="use this MoE HF checkpoint instead of building one")
+    p.add_argument("--calib-kind", choices=("wiki", "news"), default="wiki")
+    p.add_argument("--shift-kind", choices=("wiki", "news"), default="news")
+    p.add_argument("--calib-tokens", type=int, default=8192, help="`pagedweight calibrate --tokens`")
+    p.add_argument("--convert-calib-tokens", type=int, default=2048, help="`pagedweight convert --calib-tokens`")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--windows", type=int, default=16, help="evaluation windows of --seq-len tokens")
+    p.add_argument("--bits", default="3,4,5,6", help="uniform points (bits)")
+    p.add_argument("--extra-bits", default="3.5,4.5,5.5,7",
+                   help="extra PagedWeight budgets, as uniform-bcq-equivalent bits (bytes interpolated)")
+    p.add_argument("--refine", type=int, default=1, help="bisection steps between the cheapest bf16-equivalent budget "
+                   "and the next cheaper one")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-json", type=Path, default=REPO / "docs" / "results" / "quality.json")
+    p.add_argument("--out-md", type=Path, default=REPO / "docs" / "results" / "quality.md")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    started = time.perf_counter()
+    cache = args.cache_dir.expanduser()
+    cache.mkdir(parents=True, exist_ok=True)
+    log = artifacts.ArtifactLog()
+    model_dir = artifacts.ensure_model(cache, log, args.model_dir, args.threads)
+    calib_text = artifacts.text_file(cache, args.calib_kind)
+    ap = {kind: artifacts.ensure_ap(cache, log, model_dir, kind, calib_text, args.convert_calib_tokens, args.seed)
+          for kind in ("bcq", "kmeans")}
+    calib = artifacts.ensure_calibration(log, model_dir, ap["bcq"], calib_text, args.calib_kind, args.calib_tokens)
+    artifacts_s = time.perf_counter() - started
+
+    config = ExperimentConfig(
+        model_dir=model_dir, ap_dirs=ap, calibration=calib, calib_kind=args.calib_kind, shift_kind=args.shift_kind,
+        calib_tokens=args.calib_tokens, seq_len=args.seq_len, windows=args.windows,
+        bits=tuple(int(b) for b in args.bits.split(",")),
+        extra_bits=tuple(float(b) for b in args.extra_bits.split(",") if b.strip()),
+        refine=args.refine, progress=not args.quiet,
+    )
+    results = run_experiment(config)
+    command = "python benchmark/quality_curve.py" + ("" if argv is None and len(sys.argv) == 1 else
+                                                     " " + " ".join(sys.argv[1:] if argv is None else argv))
+    results = {
+        "headline": results.pop("headline"),
+        "command": command,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(),
+        "artifact_commands": log.commands,
+        **results,
+        "timings_s": {"artifacts": round(artifacts_s, 1), "total": round(time.perf_counter() - started, 1)},
+    }
+    args.out_json.parent.mkdir(parents=True, exist_ok=True)
+    args.out_json.write_text(json.dumps(results, indent=1) + "\n")
+    args.out_md.write_text(markdown(results) + _kept_discussion(args.out_md))
+    print(json.dumps(results["headline"], indent=1))
+    print(f"wrote {args.out_json} and {args.out_md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

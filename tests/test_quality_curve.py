@@ -1,0 +1,112 @@
+"""Plumbing of benchmark/quality_curve.py on the tiny random Mixtral (numbers are meaningless here)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmark"))
+
+from quality.experiment import ExperimentConfig, run_experiment  # noqa: E402
+from quality.planning import bytes_of, fresh_table, plan_to_budget, spike_then_relax, uniform  # noqa: E402
+from quality.report import cheapest_bf16_equivalent, gap_closed, markdown  # noqa: E402
+from quality.swap import ExpertBank, runtime_blocks  # noqa: E402
+
+from pagedweight.tiny_model import TINY_CORPUS, TinyMoESizes, make_tiny_moe  # noqa: E402
+
+BITS_MAX = 5  # a short bit range keeps the tiny conversion fast
+SIZES = TinyMoESizes(num_layers=2, hidden_size=64, num_experts=4, top_k=2, moe_intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from pagedweight.calibrate import run_calibrate
+    from pagedweight.convert import convert_checkpoint
+    from pagedweight.planner.calibration_stats import CalibrateOptions
+
+    root = tmp_path_factory.mktemp("quality")
+    model_dir = make_tiny_moe(root / "hf", arch="mixtral", seed=0, sizes=SIZES)
+    text = root / "calib.txt"
+    text.write_text(TINY_CORPUS * 4)
+    ap = {kind: convert_checkpoint(model_dir, root / f"ap-{kind}", table_kind=kind, bits_min=2, bits_max=BITS_MAX,
+                                   group_size=64, seed=0) for kind in ("bcq", "kmeans")}
+    calib = run_calibrate(str(model_dir), str(ap["bcq"]), str(text), str(root / "calibration.json"),
+                          CalibrateOptions(tokens=256, prompt_tokens=32), progress=False)
+    return model_dir, ap, calib
+
+
+def test_swap_restores_and_decodes(setup):
+    from transformers import AutoModelForCausalLM
+
+    from pagedweight.format.checkpoint import APCheckpoint
+
+    model_dir, ap, _ = setup
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ckpt = APCheckpoint.open(ap["bcq"])
+    blocks = runtime_blocks(ckpt)
+    assert len(blocks) == SIZES.num_layers * SIZES.num_experts * 2
+    bank = ExpertBank(model, {"bcq": ckpt})
+    experts = bank.layers[0].module
+    before = experts.gate_up_proj.detach().clone()
+    bank.apply(uniform(blocks, 2))
+    assert not torch.equal(experts.gate_up_proj, before)
+    key = blocks[0][0]
+    assert torch.equal(experts.gate_up_proj[key.expert], bank.weight("bcq", key, 2))
+    err2 = (experts.gate_up_proj - before).abs().mean()
+    bank.apply(uniform(blocks, BITS_MAX))
+    assert (experts.gate_up_proj - before).abs().mean() < err2 / 2
+    bank.restore()
+    assert torch.equal(experts.gate_up_proj, before)
+
+
+def test_plans_respect_budgets(setup):
+    from pagedweight.format.checkpoint import APCheckpoint
+    from pagedweight.planner.calibration import CalibrationData
+    from pagedweight.planner.quality_policy import QualityOptions, QualityPolicy
+
+    _, ap, calib = setup
+    blocks = runtime_blocks(APCheckpoint.open(ap["bcq"]))
+    data = CalibrationData.load(calib)
+    b3, b2 = bytes_of(blocks, uniform(blocks, 3)), bytes_of(blocks, uniform(blocks, 2))
+    assert fresh_table(blocks).desired_bytes() == bytes_of(blocks, uniform(blocks, BITS_MAX))
+    p = plan_to_budget(QualityPolicy(data), blocks, b3)
+    assert p.bytes <= b3 and sum(p.histogram().values()) == len(blocks)
+    q = plan_to_budget(QualityPolicy(data), blocks, b3)
+    assert p.assignment == q.assignment  # deterministic
+    moved = spike_then_relax(QualityPolicy(data), blocks, (b2 + b3) // 2, b3)
+    frozen = spike_then_relax(QualityPolicy(data, QualityOptions(use_page_movement=False)), blocks, (b2 + b3) // 2, b3)
+    assert frozen.bytes <= (b2 + b3) // 2 and moved.bytes <= b3 and moved.bytes >= frozen.bytes
+
+
+def test_report_helpers():
+    assert gap_closed(12.0, 11.0, 10.0) == pytest.approx(0.5)
+    assert gap_closed(10.0, 11.0, 10.0) is None
+    pts = [{"bytes": 10, "ppl": 10.05}, {"bytes": 5, "ppl": 10.2}, {"bytes": 8, "ppl": 10.09}]
+    saving, best = cheapest_bf16_equivalent(pts, 10.0, 100)
+    assert best["bytes"] == 8 and saving == pytest.approx(0.92)
+    assert cheapest_bf16_equivalent(pts, 9.0, 100) == (None, None)
+
+
+def test_experiment_end_to_end(setup):
+    model_dir, ap, calib = setup
+    cfg = ExperimentConfig(model_dir=model_dir, ap_dirs=ap, calibration=calib, calib_kind="wiki", shift_kind="news",
+                           calib_tokens=64, seq_len=32, windows=2, bits=(3, 4), extra_bits=(3.5,), refine=1,
+                           progress=False)
+    r = run_experiment(cfg)
+    assert set(r["headline"]) == {"gap_closed_vs_uniform_3bit", "memory_saving_at_bf16_equivalent"}
+    assert r["bf16"]["kl"] == pytest.approx(0.0, abs=1e-3)
+    assert [row["bits"] for row in r["curve"]] == [3, 4]
+    for row in r["curve"]:
+        for name in ("pagedweight", "hotness"):
+            assert row[name]["bytes"] <= row["uniform_bcq"]["bytes"]
+        assert row["uniform_kmeans"]["bytes"] > 0
+    assert set(r["ablation"]["rows"]) >= {"full", "w/o routing statistics", "w/o prompt residual",
+                                         "w/o global sensitivity", "w/o page movement (spike then relax)"}
+    assert set(r["workload_shift"]["rows"]) == {"bf16", "uniform 3-bit bcq", "PagedWeight, calibration statistics only",
+                                                "PagedWeight, online statistics from the served text"}
+    r.update(command="test", date="today", machine={"summary": "test"})
+    text = markdown(r)
+    assert "gap_closed_vs_uniform_3bit" in text and "Ablation" in text
