@@ -134,3 +134,28 @@ def test_hf_checkpoint_plus_separate_ap_dir(server, tiny_qwen2_moe, server_env, 
         assert any("PagedWeight:" in l and "at 4 bits" in l for l in srv.log().splitlines())
     finally:
         srv.stop()
+
+
+def test_longbench_harness_against_the_live_server(server, tmp_path):
+    """The LongBench harness (official templates, truncation, scoring) against the real PagedWeight server."""
+    import json
+    import subprocess
+    import sys
+
+    data = tmp_path / "lb-data"
+    subprocess.run([sys.executable, "-m", "pagedweight.longbench", "make-fixtures", "--out", str(data)], check=True,
+                   capture_output=True, timeout=120)
+    out = tmp_path / "lb-run"
+    r = subprocess.run(
+        [sys.executable, "-m", "pagedweight.longbench", "run", "--data-dir", str(data), "--out", str(out),
+         "--base-url", server.url, "--datasets", "passage_retrieval_en,qmsum", "--limit", "2",
+         "--max-prompt-tokens", "900", "--concurrency", "2", "--no-progress"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    results = json.loads((out / "results.json").read_text())
+    text = json.dumps(results)
+    for name in ("passage_retrieval_en", "qmsum"):
+        assert name in text
+        lines = (out / "predictions" / f"{name}.jsonl").read_text().splitlines()
+        assert len(lines) == 2
