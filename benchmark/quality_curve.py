@@ -78,12 +78,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-dir", type=Path, default=None, help="use this MoE HF checkpoint instead of building one")
     p.add_argument("--calib-kind", choices=("wiki", "news"), default="wiki")
     p.add_argument("--shift-kind", choices=("wiki", "news"), default="news")
-    p.add_argument("--calib-tokens", type=int, default=8192, help="`pagedweight calibrate --tokens`")
+    p.add_argument("--calib-tokens", type=int, default=4096, help="`pagedweight calibrate --tokens`")
     p.add_argument("--convert-calib-tokens", type=int, default=2048, help="`pagedweight convert --calib-tokens`")
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--windows", type=int, default=16, help="evaluation windows of --seq-len tokens")
+    p.add_argument("--windows", type=int, default=12, help="evaluation windows of --seq-len tokens")
     p.add_argument("--bits", default="3,4,5,6", help="uniform points (bits)")
-    p.add_argument("--extra-bits", default="3.5,4.5,5.5,7",
+    p.add_argument("--extra-bits", default="4.5,5.5,7",
                    help="extra PagedWeight budgets, as uniform-bcq-equivalent bits (bytes interpolated)")
     p.add_argument("--refine", type=int, default=1, help="bisection steps between the cheapest bf16-equivalent budget "
                    "and the next cheaper one")
@@ -107,9 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     log = artifacts.ArtifactLog()
     model_dir = artifacts.ensure_model(cache, log, args.model_dir, args.threads)
     calib_text = artifacts.text_file(cache, args.calib_kind)
-    ap = {kind: artifacts.ensure_ap(cache, log, model_dir, kind, calib_text, args.convert_calib_tokens, args.seed)
-          for kind in ("bcq", "kmeans")}
-    calib = artifacts.ensure_calibration(log, model_dir, ap["bcq"], calib_text, args.calib_kind, args.calib_tokens)
+    ap, calib = artifacts.ensure_all(cache, log, model_dir, calib_text, args.calib_kind, args.convert_calib_tokens,
+                                     args.calib_tokens, args.seed)
     artifacts_s = time.perf_counter() - started
 
     config = ExperimentConfig(
@@ -117,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         calib_tokens=args.calib_tokens, seq_len=args.seq_len, windows=args.windows,
         bits=tuple(int(b) for b in args.bits.split(",")),
         extra_bits=tuple(float(b) for b in args.extra_bits.split(",") if b.strip()),
-        refine=args.refine, progress=not args.quiet,
+        refine=args.refine, progress=not args.quiet, memo_path=cache / "measurements.json",
     )
     results = run_experiment(config)
     command = "python benchmark/quality_curve.py" + ("" if argv is None and len(sys.argv) == 1 else

@@ -27,17 +27,33 @@ class ArtifactLog:
 
     def run(self, argv: list[str], output: Path, reuse: bool) -> None:
         """Run `python -m pagedweight ARGV` unless `reuse`; record the command either way."""
+        self.start(argv, output, reuse).wait()
+
+    def start(self, argv: list[str], output: Path, reuse: bool) -> "Job":
+        """Like run() but in the background: returns a Job to wait() on (artifacts that do not depend on
+        each other are built concurrently)."""
         cmd = [sys.executable, "-m", "pagedweight", *argv]
         shown = "pagedweight " + " ".join(shlex.quote(a) for a in argv)
         entry = {"command": shown, "output": str(output), "reused": reuse}
-        if not reuse:
-            print(f"[quality] running: {shown}", flush=True)
-            start = time.perf_counter()
-            subprocess.run(cmd, check=True)
-            entry["seconds"] = round(time.perf_counter() - start, 1)
-        else:
-            print(f"[quality] reusing {output} ({shown})", flush=True)
         self.commands.append(entry)
+        if reuse:
+            print(f"[quality] reusing {output} ({shown})", flush=True)
+            return Job(None, entry)
+        print(f"[quality] running: {shown}", flush=True)
+        return Job(subprocess.Popen(cmd), entry)
+
+
+class Job:
+    def __init__(self, proc: subprocess.Popen | None, entry: dict) -> None:
+        self.proc, self.entry, self._start = proc, entry, time.perf_counter()
+
+    def wait(self) -> None:
+        if self.proc is None:
+            return
+        rc = self.proc.wait()
+        self.entry.setdefault("seconds", round(time.perf_counter() - self._start, 1))
+        if rc != 0:
+            raise SystemExit(f"[quality] failed ({rc}): {self.entry['command']}")
 
 
 def text_file(cache: Path, kind: str, split: str = "calibration") -> Path:
@@ -58,7 +74,7 @@ def ensure_model(cache: Path, log: ArtifactLog, model_dir: Path | None = None, t
         log.commands.append({"command": f"(given) --model-dir {model_dir}", "output": str(model_dir), "reused": True})
         return Path(model_dir)
     out = cache / "moe"
-    done = (out / "config.json").is_file() and any(out.glob("*.safetensors"))
+    done = (out / "moefy.json").is_file()  # written last, after config.json and the weights
     log.run(["moefy", "--out", str(out), "--threads", str(threads), "--quiet"], out, reuse=done)
     return out
 
@@ -77,21 +93,31 @@ def group_size_for(model_dir: Path) -> int:
     raise SystemExit(f"expert width {width} has no power-of-two group size >= 8")
 
 
-def ensure_ap(cache: Path, log: ArtifactLog, model_dir: Path, kind: str, calib_text: Path,
-              calib_tokens: int, seed: int) -> Path:
+def start_ap(cache: Path, log: ArtifactLog, model_dir: Path, kind: str, calib_text: Path,
+             calib_tokens: int, seed: int) -> tuple[Path, Job]:
     out = cache / f"ap-{kind}"
     done = (out / "pagedweight" / "manifest.json").is_file()
     argv = ["convert", "--model", str(model_dir), "--out", str(out), "--table-kind", kind, "--bits-min", "2",
             "--bits-max", "8", "--group-size", str(group_size_for(model_dir)), "--calib-text", str(calib_text),
-            "--calib-tokens", str(calib_tokens), "--seed", str(seed)]
-    log.run(argv, out, reuse=done)
-    return out
+            "--calib-tokens", str(calib_tokens), "--seed", str(seed), *(["--force"] if out.exists() else [])]
+    return out, log.start(argv, out, reuse=done)
 
 
-def ensure_calibration(log: ArtifactLog, model_dir: Path, ap_dir: Path, text: Path, text_kind: str,
-                       tokens: int) -> Path:
+def start_calibration(log: ArtifactLog, model_dir: Path, ap_dir: Path, text: Path, text_kind: str,
+                      tokens: int) -> tuple[Path, Job]:
     out = ap_dir / "pagedweight" / f"calibration-{text_kind}-{tokens}.json"
     argv = ["calibrate", "--model", str(model_dir), "--ap", str(ap_dir), "--text", str(text),
             "--tokens", str(tokens), "--out", str(out)]
-    log.run(argv, out, reuse=out.is_file())
-    return out
+    return out, log.start(argv, out, reuse=out.is_file())
+
+
+def ensure_all(cache: Path, log: ArtifactLog, model_dir: Path, calib_text: Path, calib_kind: str,
+               convert_tokens: int, calib_tokens: int, seed: int) -> tuple[dict[str, Path], Path]:
+    """Both conversions at once; calibration starts as soon as the bcq checkpoint exists."""
+    bcq, bcq_job = start_ap(cache, log, model_dir, "bcq", calib_text, convert_tokens, seed)
+    kmeans, kmeans_job = start_ap(cache, log, model_dir, "kmeans", calib_text, convert_tokens, seed)
+    bcq_job.wait()
+    calib, calib_job = start_calibration(log, model_dir, bcq, calib_text, calib_kind, calib_tokens)
+    kmeans_job.wait()
+    calib_job.wait()
+    return {"bcq": bcq, "kmeans": kmeans}, calib

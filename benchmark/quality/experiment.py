@@ -6,6 +6,7 @@ All points are measured on one transformers model whose expert weights are swapp
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,11 +38,12 @@ class ExperimentConfig:
     shift_kind: str | None = "news"
     calib_tokens: int = 8192
     seq_len: int = 512
-    windows: int = 16
+    windows: int = 12
     bits: tuple[int, ...] = (3, 4, 5, 6)
-    extra_bits: tuple[float, ...] = (3.5, 4.5, 5.5, 7.0)
+    extra_bits: tuple[float, ...] = (4.5, 5.5, 7.0)
     refine: int = 1
     progress: bool = True
+    memo_path: Path | None = None  # persisted measurements (resume); None: in memory only
 
 
 @dataclass
@@ -54,19 +56,37 @@ class TextSet:
 
 @dataclass
 class Evaluator:
+    """Measures assignments; results are memoised (and persisted to `memo_path`, keyed by a hash of the
+    model, checkpoint, token windows and assignment, so an interrupted run resumes without re-measuring)."""
+
     model: torch.nn.Module
     bank: ExpertBank
     progress: bool
+    memo_path: Path | None = None
+    identity: str = ""
     memo: dict = field(default_factory=dict)
     evaluations: int = 0
+    reused: int = 0
+
+    def __post_init__(self) -> None:
+        if self.memo_path is not None and Path(self.memo_path).is_file():
+            self.memo = json.loads(Path(self.memo_path).read_text())
 
     def measure(self, ts: TextSet, assignment: dict, kind: str = "bcq") -> dict:
-        key = (ts.kind, kind, tuple(sorted((tuple(k), int(b)) for k, b in assignment.items())))
-        if key not in self.memo:
+        body = json.dumps([self.identity, ts.kind, hashlib.sha256(ts.ids.numpy().tobytes()).hexdigest(), kind,
+                           sorted([list(k), int(b)] for k, b in assignment.items())])
+        key = hashlib.sha256(body.encode()).hexdigest()
+        if key in self.memo:
+            self.reused += 1
+        else:
             self.bank.apply(assignment, kind)
             r = evaluate(self.model, ts.ids, ts.reference, progress=self.progress)
             self.evaluations += 1
             self.memo[key] = {"ppl": r["ppl"], "kl": r["kl"], "nll": r["nll"]}
+            if self.memo_path is not None:
+                tmp = Path(f"{self.memo_path}.tmp")
+                tmp.write_text(json.dumps(self.memo))
+                tmp.replace(self.memo_path)
         return dict(self.memo[key])
 
 
@@ -115,7 +135,10 @@ def run_experiment(cfg: ExperimentConfig) -> dict:
     bcq = blocks["bcq"]
     calib = load_for_checkpoint(ckpts["bcq"].directory, cfg.calibration)
     bank = ExpertBank(model, ckpts)
-    ev = Evaluator(model, bank, cfg.progress)
+    identity = json.dumps([str(model_dir.resolve()),
+                           {k: hashlib.sha256((Path(c.directory) / "manifest.json").read_bytes()).hexdigest()
+                            for k, c in ckpts.items()}])
+    ev = Evaluator(model, bank, cfg.progress, cfg.memo_path, identity)
     bf16_bytes = sum(spec.out_features * spec.in_features * 2 for _, spec in bcq)
 
     main = _text_set(model, bank, tokenizer, cfg.calib_kind, cfg)
@@ -263,7 +286,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict:
                                          "evaluated text from the bf16 forward (what the MoE forward records while "
                                          "serving it), except where a row says 'calibration statistics only'",
                        "hotness_traffic": f"routing counts of {calib_traffic.tokens} calibration-split tokens",
-                       "evaluations": ev.evaluations},
+                       "evaluations": ev.evaluations, "evaluations_reused_from_cache": ev.reused},
         "bf16": bf16,
         "curve": curve,
         "extra_budgets": extra,
