@@ -24,6 +24,7 @@ from pagedweight.paged_runtime import PagedRuntime
 from pagedweight.runtime.controller import PagingController
 from pagedweight.runtime.planner_api import Observation, Policy, ScriptedPolicy
 from pagedweight.runtime.pressure import KVPressureSignal
+from pagedweight.tp_sync import StepInputBroadcast, StepInputs
 
 logger = logging.getLogger("pagedweight")
 
@@ -58,6 +59,7 @@ class PagedWeightScheduler:
     capacity_blocks: int
     forward_stream: Any = None
     metrics: Any = None  # PagedWeightMetrics when --enable-metrics
+    tp_sync: Optional[StepInputBroadcast] = None  # TP > 1: rank 0's inputs for every rank
     iteration: int = 0
     started_s: float = field(default_factory=time.monotonic)
     _routing: dict = field(default_factory=dict)
@@ -97,30 +99,41 @@ class PagedWeightScheduler:
             from pagedweight.metrics import PagedWeightMetrics
 
             metrics = PagedWeightMetrics(tp_rank=getattr(scheduler, "tp_rank", 0))
-        return cls(runtime, controller, page, capacity_blocks, stream, metrics)
+        tp_sync = None
+        tp_group = getattr(scheduler, "tp_group", None)
+        if tp_group is not None and tp_group.world_size > 1:
+            tp_sync = StepInputBroadcast(tp_group.cpu_group, tp_group.first_rank, tp_group.rank_in_group == 0)
+        return cls(runtime, controller, page, capacity_blocks, stream, metrics, tp_sync)
 
     def step(self, scheduler: Any) -> None:
         self.iteration += 1
         allocator = scheduler.token_to_kv_pool_allocator
-        avail_blocks = allocator.available_size() // self.page_size
-        evictable_blocks = scheduler.tree_cache.evictable_size() // self.page_size
-        obs = Observation(
-            iteration=self.iteration,
+        inputs = StepInputs(
+            available_blocks=allocator.available_size() // self.page_size,
+            evictable_blocks=scheduler.tree_cache.evictable_size() // self.page_size,
             now_s=time.monotonic() - self.started_s,
-            routing_counts=self._routing_counts(),
+            routing=self._fresh_routing(),
         )
+        if self.tp_sync is not None:
+            inputs = self.tp_sync(inputs)
+        if inputs.routing is not None:
+            self._routing = dict(inputs.routing)
+        obs = Observation(iteration=self.iteration, now_s=inputs.now_s, routing_counts=self._routing)
         ctx = torch.cuda.stream(self.forward_stream) if self.forward_stream is not None else nullcontext()
         with ctx:
-            self.controller.step(avail_blocks, evictable_blocks, obs)
+            self.controller.step(inputs.available_blocks, inputs.evictable_blocks, obs)
         if self.metrics is not None:
             self.metrics.update(self, scheduler.max_total_num_tokens)
 
-    def _routing_counts(self) -> dict:
+    def _fresh_routing(self) -> Optional[dict]:
+        """New routing statistics when due (on the source rank only under TP), else None (unchanged)."""
+        if self.tp_sync is not None and not self.tp_sync.is_src:
+            return None
         now = time.monotonic()
-        if now - self._routing_at >= ROUTING_REFRESH_S:
-            self._routing = self.runtime.routing_mass()
-            self._routing_at = now
-        return self._routing
+        if now - self._routing_at < ROUTING_REFRESH_S:
+            return None
+        self._routing_at = now
+        return self.runtime.routing_mass()
 
     def state(self) -> dict:
         sig = self.controller.signal
