@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--calib-kind", choices=("wiki", "news"), default="wiki")
     p.add_argument("--shift-kind", choices=("wiki", "news"), default="news")
     p.add_argument("--calib-tokens", type=int, default=4096, help="`pagedweight calibrate --tokens`")
-    p.add_argument("--convert-calib-tokens", type=int, default=2048, help="`pagedweight convert --calib-tokens`")
+    p.add_argument("--convert-calib-tokens", type=int, default=2048, help="`pagedweight convert --calib-tokens` (0: no --calib-text, uniform column weights)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--windows", type=int, default=12, help="evaluation windows of --seq-len tokens")
     p.add_argument("--bits", default="3,4,5,6", help="uniform points (bits)")
@@ -118,21 +118,27 @@ def main(argv: list[str] | None = None) -> int:
         extra_bits=tuple(float(b) for b in args.extra_bits.split(",") if b.strip()),
         refine=args.refine, progress=not args.quiet, memo_path=cache / "measurements.json",
     )
-    results = run_experiment(config)
     command = "python benchmark/quality_curve.py" + ("" if argv is None and len(sys.argv) == 1 else
                                                      " " + " ".join(sys.argv[1:] if argv is None else argv))
-    results = {
-        "headline": results.pop("headline"),
-        "command": command,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine(),
-        "artifact_commands": log.commands,
-        **results,
-        "timings_s": {"artifacts": round(artifacts_s, 1), "total": round(time.perf_counter() - started, 1)},
-    }
-    args.out_json.parent.mkdir(parents=True, exist_ok=True)
-    args.out_json.write_text(json.dumps(results, indent=1) + "\n")
-    args.out_md.write_text(markdown(results) + _kept_discussion(args.out_md))
+
+    def write(partial: dict) -> dict:
+        results = dict(partial)
+        results = {
+            "headline": results.pop("headline"),
+            "complete": bool(results.pop("complete", False)),
+            "command": command,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": machine(),
+            "artifact_commands": log.commands,
+            **results,
+            "timings_s": {"artifacts": round(artifacts_s, 1), "total": round(time.perf_counter() - started, 1)},
+        }
+        args.out_json.parent.mkdir(parents=True, exist_ok=True)
+        args.out_json.write_text(json.dumps(results, indent=1) + "\n")
+        args.out_md.write_text(markdown(results) + _kept_discussion(args.out_md))
+        return results
+
+    results = write(run_experiment(config, on_section=write))
     print(json.dumps(results["headline"], indent=1))
     print(f"wrote {args.out_json} and {args.out_md}")
     return 0

@@ -71,7 +71,13 @@ def ensure_model(cache: Path, log: ArtifactLog, model_dir: Path | None = None, t
     if model_dir is not None:  # given by the user: not rebuilt
         if not (Path(model_dir) / "config.json").is_file():
             raise SystemExit(f"--model-dir {model_dir}: no config.json")
-        log.commands.append({"command": f"(given) --model-dir {model_dir}", "output": str(model_dir), "reused": True})
+        entry = {"command": f"(given) --model-dir {model_dir}", "output": str(model_dir), "reused": True}
+        meta = Path(model_dir) / "moefy.json"
+        if meta.is_file():  # a `pagedweight moefy` build: record how it was made
+            record = json.loads(meta.read_text())
+            entry["moefy_build_config"] = record.get("build_config")
+            entry["moefy_source"] = record.get("source")
+        log.commands.append(entry)
         return Path(model_dir)
     out = cache / "moe"
     done = (out / "moefy.json").is_file()  # written last, after config.json and the weights
@@ -98,8 +104,9 @@ def start_ap(cache: Path, log: ArtifactLog, model_dir: Path, kind: str, calib_te
     out = cache / f"ap-{kind}"
     done = (out / "pagedweight" / "manifest.json").is_file()
     argv = ["convert", "--model", str(model_dir), "--out", str(out), "--table-kind", kind, "--bits-min", "2",
-            "--bits-max", "8", "--group-size", str(group_size_for(model_dir)), "--calib-text", str(calib_text),
-            "--calib-tokens", str(calib_tokens), "--seed", str(seed), *(["--force"] if out.exists() else [])]
+            "--bits-max", "8", "--group-size", str(group_size_for(model_dir)),
+            *(["--calib-text", str(calib_text), "--calib-tokens", str(calib_tokens)] if calib_tokens > 0 else []),
+            "--seed", str(seed), *(["--force"] if out.exists() else [])]
     return out, log.start(argv, out, reuse=done)
 
 

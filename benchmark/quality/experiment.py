@@ -121,8 +121,16 @@ def _budget_at(budgets: dict[int, int], bits: float, blocks) -> int:
     return int(round(b_lo + (bits - lo) * (b_hi - b_lo)))
 
 
-def run_experiment(cfg: ExperimentConfig) -> dict:
+def run_experiment(cfg: ExperimentConfig, on_section=None) -> dict:
+    """All measurements; `on_section(partial_results)` is called after each section (partial results file)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out: dict = {"headline": {"gap_closed_vs_uniform_3bit": None, "memory_saving_at_bf16_equivalent": None}}
+
+    def section(**parts) -> None:
+        out.update(parts)
+        if on_section is not None:
+            on_section(dict(out))
 
     model_dir = Path(cfg.model_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -173,6 +181,28 @@ def run_experiment(cfg: ExperimentConfig) -> dict:
         print(f"[quality] {b}-bit: uniform bcq {row['uniform_bcq']['ppl']:.3f}, PagedWeight {row['pagedweight']['ppl']:.3f}, "
               f"hotness {row['hotness']['ppl']:.3f}, bf16 {bf16['ppl']:.3f}", flush=True)
 
+    n_params = sum(spec.out_features * spec.in_features for _, spec in bcq)
+    section(
+        headline={"gap_closed_vs_uniform_3bit": curve[0]["pagedweight_gap_closed"] if cfg.bits[0] == 3 else None,
+                  "memory_saving_at_bf16_equivalent": None},
+        model={
+            "dir": str(model_dir),
+            "description": f"{hf_config.get('model_type')} with {hf_config.get('num_hidden_layers')} layers, "
+                           f"{hf_config.get('num_local_experts')} experts (top-{hf_config.get('num_experts_per_tok')}), "
+                           f"expert width {hf_config.get('intermediate_size')}, {n_params:,} expert weights",
+            "ap_dirs": {k: str(v) for k, v in cfg.ap_dirs.items()},
+            "group_size": {k: sorted({spec.group_size for _, spec in v}) for k, v in blocks.items()},
+            "calibration": str(cfg.calibration),
+            "calibration_source": calib.source,
+        },
+        evaluation={"text_kind": cfg.calib_kind, "seq_len": cfg.seq_len, "windows": int(main.ids.shape[0]),
+                    "tokens": int(main.ids.shape[0] * (main.ids.shape[1] - 1)),
+                    "online_traffic": "the quality policy's RoutingObserver is fed the routed inputs of the "
+                                      "evaluated text from the bf16 forward (what the MoE forward records while "
+                                      "serving it), except where a row says 'calibration statistics only'",
+                    "hotness_traffic": f"routing counts of {calib_traffic.tokens} calibration-split tokens"},
+        bf16=bf16, curve=curve)
+
     # ---- extra budgets: the cheapest bf16-equivalent PagedWeight point -------------------------
     extra = []
 
@@ -197,6 +227,8 @@ def run_experiment(cfg: ExperimentConfig) -> dict:
         pw_at(mid)
     extra.sort(key=lambda p: p["bytes"])
     saving, best = cheapest_bf16_equivalent(pw_points, bf16["ppl"], bf16_bytes)
+    out["headline"] = dict(out["headline"], memory_saving_at_bf16_equivalent=saving)
+    section(extra_budgets=extra)
 
     # ---- ablation at the 3-bit budget ----------------------------------------------------------
     b3 = budgets[min(cfg.bits)]
@@ -221,6 +253,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict:
     u3 = curve[0]["uniform_bcq"]["ppl"]
     for p in ablation_rows.values():
         p["gap_closed"] = gap_closed(u3, p["ppl"], bf16["ppl"])
+    section(ablation={"budget_bytes": b3, "spike_budget_bytes": spike, "rows": ablation_rows})
 
     # ---- workload shift ------------------------------------------------------------------------
     shift = None
@@ -255,41 +288,16 @@ def run_experiment(cfg: ExperimentConfig) -> dict:
             },
         }
 
-    headline = {
-        "gap_closed_vs_uniform_3bit": curve[0]["pagedweight_gap_closed"] if cfg.bits[0] == 3 else None,
-        "memory_saving_at_bf16_equivalent": saving,
+    out["evaluation"]["evaluations"] = ev.evaluations
+    out["evaluation"]["evaluations_reused_from_cache"] = ev.reused
+    out["headline_detail"] = {
+        "uniform_3bit_bcq_ppl": curve[0]["uniform_bcq"]["ppl"],
+        "pagedweight_3bit_budget_ppl": curve[0]["pagedweight"]["ppl"],
+        "bf16_ppl": bf16["ppl"],
+        "bf16_equivalent_point": best,
+        "tolerance": "ppl <= 1.01 * bf16 ppl",
+        "goals": {"gap_closed_vs_uniform_3bit": ">= 0.40", "memory_saving_at_bf16_equivalent": ">= 0.60"},
     }
-    n_params = sum(spec.out_features * spec.in_features for _, spec in bcq)
-    return {
-        "headline": headline,
-        "headline_detail": {
-            "uniform_3bit_bcq_ppl": curve[0]["uniform_bcq"]["ppl"],
-            "pagedweight_3bit_budget_ppl": curve[0]["pagedweight"]["ppl"],
-            "bf16_ppl": bf16["ppl"],
-            "bf16_equivalent_point": best,
-            "tolerance": "ppl <= 1.01 * bf16 ppl",
-            "goals": {"gap_closed_vs_uniform_3bit": ">= 0.40", "memory_saving_at_bf16_equivalent": ">= 0.60"},
-        },
-        "model": {
-            "dir": str(model_dir),
-            "description": f"{hf_config.get('model_type')} with {hf_config.get('num_hidden_layers')} layers, "
-                           f"{hf_config.get('num_local_experts')} experts (top-{hf_config.get('num_experts_per_tok')}), "
-                           f"expert width {hf_config.get('intermediate_size')}, {n_params:,} expert weights",
-            "ap_dirs": {k: str(v) for k, v in cfg.ap_dirs.items()},
-            "group_size": {k: sorted({spec.group_size for _, spec in v}) for k, v in blocks.items()},
-            "calibration": str(cfg.calibration),
-            "calibration_source": calib.source,
-        },
-        "evaluation": {"text_kind": cfg.calib_kind, "seq_len": cfg.seq_len, "windows": int(main.ids.shape[0]),
-                       "tokens": int(main.ids.shape[0] * (main.ids.shape[1] - 1)),
-                       "online_traffic": "the quality policy's RoutingObserver is fed the routed inputs of the "
-                                         "evaluated text from the bf16 forward (what the MoE forward records while "
-                                         "serving it), except where a row says 'calibration statistics only'",
-                       "hotness_traffic": f"routing counts of {calib_traffic.tokens} calibration-split tokens",
-                       "evaluations": ev.evaluations, "evaluations_reused_from_cache": ev.reused},
-        "bf16": bf16,
-        "curve": curve,
-        "extra_budgets": extra,
-        "ablation": {"budget_bytes": b3, "spike_budget_bytes": spike, "rows": ablation_rows},
-        "workload_shift": shift,
-    }
+    out["workload_shift"] = shift
+    out["complete"] = True
+    return out

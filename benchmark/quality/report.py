@@ -48,6 +48,8 @@ def markdown(results: dict) -> str:
         "",
         "## Curve (equal bytes per row)",
         "",
+        "PagedWeight columns: quality policy, bcq, planned to the uniform bcq row's bytes (`within_budget` in the JSON).",
+        "",
         "| budget | bytes | % of bf16 | uniform bcq ppl / KL | uniform kmeans ppl / KL (its bytes) | PagedWeight ppl / KL | hotness ppl / KL |",
         "|---|---|---|---|---|---|---|",
         f"| bf16 | {bf16['bytes']:,} | 100% | {_fmt(bf16['ppl'])} / {_fmt(bf16['kl'])} | | | |",
@@ -64,19 +66,25 @@ def markdown(results: dict) -> str:
         for p in results["extra_budgets"]:
             lines.append(f"| {p['bits']} | {p['bytes']:,} | {100 * (1 - p['bytes'] / bf16['bytes']):.1f}% | "
                          f"{_fmt(p['ppl'])} | {_fmt(p['kl'])} | {'yes' if p['ppl'] <= 1.01 * bf16['ppl'] else 'no'} |")
-    lines += ["", f"## Ablation at the uniform 3-bit bcq budget ({results['ablation']['budget_bytes']:,} B)", "",
-              "| variant | ppl | KL | bytes | same plan as full |", "|---|---|---|---|---|"]
-    for name, p in results["ablation"]["rows"].items():
-        lines.append(f"| {name} | {_fmt(p['ppl'])} | {_fmt(p['kl'])} | {p['bytes']:,} | {p.get('same_assignment_as_full', '')} |")
-    ws = results["workload_shift"]
-    lines += ["", f"## Workload shift: calibrated on {ws['calibration_kind']}, served/evaluated on {ws['evaluation_kind']} "
-              f"(budget = uniform 3-bit bcq bytes)", "", "| variant | ppl | KL |", "|---|---|---|"]
-    for name, p in ws["rows"].items():
-        lines.append(f"| {name} | {_fmt(p['ppl'])} | {_fmt(p['kl'])} |")
-    ad = ws["routing_adaptation"]
-    lines += ["", f"Routing mass L1 distance to the served text's masses (mean over layers): calibration "
-              f"{_fmt(ad['l1_calibration_vs_served'])}, policy after online update {_fmt(ad['l1_online_vs_served'])}; "
-              f"experts whose bucket changed: {ad['bucket_changes']}.", ""]
+    if results.get("ablation"):
+        lines += ["", f"## Ablation at the uniform 3-bit bcq budget ({results['ablation']['budget_bytes']:,} B)", "",
+                  "| variant | ppl | KL | bytes | gap closed | same plan as full |", "|---|---|---|---|---|---|"]
+        for name, p in results["ablation"]["rows"].items():
+            lines.append(f"| {name} | {_fmt(p['ppl'])} | {_fmt(p['kl'])} | {p['bytes']:,} | {_fmt(p.get('gap_closed'), 3)} | "
+                         f"{p.get('same_assignment_as_full', '')} |")
+    ws = results.get("workload_shift")
+    if ws:
+        lines += ["", f"## Workload shift: calibrated on {ws['calibration_kind']}, served/evaluated on {ws['evaluation_kind']} "
+                  f"(budget = uniform 3-bit bcq bytes)", "", "| variant | ppl | KL | gap closed |", "|---|---|---|---|"]
+        for name, p in ws["rows"].items():
+            lines.append(f"| {name} | {_fmt(p['ppl'])} | {_fmt(p['kl'])} | {_fmt(p.get('gap_closed'), 3)} |")
+        ad = ws["routing_adaptation"]
+        lines += ["", f"Routing mass L1 distance to the served text's masses (mean over layers): calibration "
+                  f"{_fmt(ad['l1_calibration_vs_served'])}, policy after online update {_fmt(ad['l1_online_vs_served'])}; "
+                  f"experts whose bucket changed: {ad['bucket_changes']}; blocks planned differently: "
+                  f"{ws['blocks_with_different_bits']}.", ""]
+    if not results.get("complete"):
+        lines += ["", "**PARTIAL RESULTS**: the run did not reach every section (see `complete` in the JSON).", ""]
     lines += METHOD.splitlines()
     return "\n".join(lines) + "\n"
 
