@@ -100,3 +100,39 @@ def test_prometheus_gauges(paging_server):
         assert name in text, f"{name} missing from /metrics"
     mean_bits = [float(l.split()[-1]) for l in text.splitlines() if l.startswith("sglang:pagedweight_mean_committed_bits")]
     assert mean_bits and 2.0 <= mean_bits[0] <= 8.0
+
+
+def test_quality_policy_with_calibration_serves_a_burst(ap_qwen2_moe, tiny_qwen2_moe, server_env, cpu_server_flags,
+                                                         work_dir, tmp_path):
+    """`--paged-weight-policy auto` picks the quality policy when the AP checkpoint has a calibration file; its
+    plans (fed by the MoE layers' routing observer) lower bitwidths under the burst, and every request completes."""
+    import shutil
+    import subprocess
+    import sys
+
+    from pagedweight.tiny_model import TINY_CORPUS
+
+    ap = tmp_path / "ap-calibrated"
+    shutil.copytree(ap_qwen2_moe, ap)
+    text = tmp_path / "calib.txt"
+    text.write_text(TINY_CORPUS * 3)
+    subprocess.run([sys.executable, "-m", "pagedweight", "calibrate", "--model", str(tiny_qwen2_moe), "--ap", str(ap),
+                    "--text", str(text)], check=True, capture_output=True, timeout=600)
+    flags = list(cpu_server_flags)
+    flags[flags.index("--max-total-tokens") + 1] = "700"
+    srv = launch_server(ap, ["--enable-paged-weight", "--paged-weight-bits", "8", "--paged-weight-kv-low-watermark",
+                             "0.5", "--paged-weight-kv-high-watermark", "0.8"] + flags, server_env,
+                        work_dir / "server-quality.log")
+    try:
+        wait_healthy(srv)
+        assert _state(srv.url)["policy"] == "QualityPolicy"
+        prompts = [" ".join(["alpha beta gamma delta epsilon"] * 18) + f" {i}" for i in range(6)]
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            bodies = list(pool.map(lambda p: requests.post(srv.url + "/generate", json={"text": p, "sampling_params": {
+                "max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}, timeout=600).json(), prompts))
+        assert [b["meta_info"]["completion_tokens"] for b in bodies] == [40] * len(prompts)
+        st = _state(srv.url)
+        assert st["counters"]["offloads_committed"] > 0
+        assert "quality offload" in srv.log() and "routing observer" in srv.log()
+    finally:
+        srv.stop()

@@ -81,6 +81,8 @@ class PagedWeightMoEMethod(FusedMoEMethodBase):
         cfg = self.moe_runner_config
         # Routing-weight mass per expert (eq. 1), on the device; policies read it between iterations.
         self.store.routing_mass.index_add_(0, topk_ids.reshape(-1).long(), topk_weights.reshape(-1).float())
+        if self.store.observer is not None:
+            self.store.observer.record(layer.layer_id, x, topk_ids, topk_weights)
         out = ap_fused_moe(
             x,
             topk_weights,

@@ -32,7 +32,9 @@ logger = logging.getLogger("pagedweight")
 ROUTING_REFRESH_S = 0.5
 
 
-def make_runtime_policy(cfg: PagedWeightConfig, ap_dir: Optional[str]) -> Policy:
+def make_runtime_policy(cfg: PagedWeightConfig, ap_dir: Optional[str], runtime: Optional[PagedRuntime] = None) -> Policy:
+    """The policy named by --paged-weight-policy; for 'quality' also a RoutingObserver that every MoE
+    layer's forward feeds (routing weights and routed-input norms, on the device)."""
     import os
 
     from pagedweight.planner.factory import make_policy
@@ -48,7 +50,16 @@ def make_runtime_policy(cfg: PagedWeightConfig, ap_dir: Optional[str]) -> Policy
         name = "quality" if calib is not None else "hotness"
     if name == "scripted":
         return ScriptedPolicy()
-    return make_policy(name, calib)
+    observer = None
+    if name == "quality" and runtime is not None:
+        from pagedweight.planner.observer import RoutingObserver
+
+        num_layers = max(s.layer_id for s in runtime.stores) + 1
+        num_experts = max(s.w13.num_experts for s in runtime.stores)
+        observer = RoutingObserver(num_layers, num_experts, runtime.stores[0].w13.page_table.device)
+        for store in runtime.stores:
+            store.observer = observer
+    return make_policy(name, calib, observer=observer)
 
 
 @dataclass
@@ -83,7 +94,7 @@ class PagedWeightScheduler:
         else:
             runtime.budget.add_capacity("kv", scheduler.max_total_num_tokens * bytes_per_token)
         ap_dir = None if scheduler.server_args.load_format == "dummy" else cfg.resolve_ap_dir(scheduler.server_args.model_path)
-        policy = make_runtime_policy(cfg, ap_dir)
+        policy = make_runtime_policy(cfg, ap_dir, runtime)
         controller = PagingController(
             runtime.pager, policy, signal, kv=kv, reload_headroom_bytes=runtime.reload_headroom_bytes
         )
@@ -119,6 +130,9 @@ class PagedWeightScheduler:
         if inputs.routing is not None:
             self._routing = dict(inputs.routing)
         obs = Observation(iteration=self.iteration, now_s=inputs.now_s, routing_counts=self._routing)
+        refresh = getattr(self.controller.policy, "refresh", None)
+        if refresh is not None and inputs.routing is not None:
+            refresh(self.runtime.table, obs)  # the quality policy re-ranks its plan queue on new traffic
         ctx = torch.cuda.stream(self.forward_stream) if self.forward_stream is not None else nullcontext()
         with ctx:
             self.controller.step(inputs.available_blocks, inputs.evictable_blocks, obs)

@@ -108,6 +108,8 @@ class MoELayerStore:
     # Routing-weight mass per expert since start (eq. 1's numerator), accumulated on the device by the
     # MoE forward; read by the runtime a few times a second, never on the forward path.
     routing_mass: torch.Tensor = field(init=False)
+    # The quality policy's RoutingObserver (routed-input norms for the prompt residual), when that policy runs.
+    observer: Optional[object] = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.routing_mass = torch.zeros(self.w13.num_experts, dtype=torch.float32, device=self.w13.device)
