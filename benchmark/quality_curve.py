@@ -92,6 +92,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out-json", type=Path, default=REPO / "docs" / "results" / "quality.json")
     p.add_argument("--out-md", type=Path, default=REPO / "docs" / "results" / "quality.md")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--only-shift", action="store_true", help="measure only the workload shift (e.g. beside a main "
+                   "run on another core; give it its own --out-json/--out-md)")
     return p.parse_args(argv)
 
 
@@ -116,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         calib_tokens=args.calib_tokens, seq_len=args.seq_len, windows=args.windows,
         bits=tuple(int(b) for b in args.bits.split(",")),
         extra_bits=tuple(float(b) for b in args.extra_bits.split(",") if b.strip()),
-        refine=args.refine, progress=not args.quiet, memo_path=cache / "measurements.json",
+        refine=args.refine, progress=not args.quiet, memo_path=cache / ("measurements-shift.json" if args.only_shift else "measurements.json"),
+        only_shift=args.only_shift,
     )
     command = "python benchmark/quality_curve.py" + ("" if argv is None and len(sys.argv) == 1 else
                                                      " " + " ".join(sys.argv[1:] if argv is None else argv))
@@ -135,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.out_json.parent.mkdir(parents=True, exist_ok=True)
         args.out_json.write_text(json.dumps(results, indent=1) + "\n")
-        args.out_md.write_text(markdown(results) + _kept_discussion(args.out_md))
+        if not args.only_shift:
+            args.out_md.write_text(markdown(results) + _kept_discussion(args.out_md))
         return results
 
     results = write(run_experiment(config, on_section=write))

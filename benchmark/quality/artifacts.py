@@ -106,7 +106,7 @@ def start_ap(cache: Path, log: ArtifactLog, model_dir: Path, kind: str, calib_te
     argv = ["convert", "--model", str(model_dir), "--out", str(out), "--table-kind", kind, "--bits-min", "2",
             "--bits-max", "8", "--group-size", str(group_size_for(model_dir)),
             *(["--calib-text", str(calib_text), "--calib-tokens", str(calib_tokens)] if calib_tokens > 0 else []),
-            "--seed", str(seed), *(["--force"] if out.exists() else [])]
+            "--seed", str(seed), *(["--force"] if out.exists() and not done else [])]
     return out, log.start(argv, out, reuse=done)
 
 

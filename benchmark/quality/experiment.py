@@ -44,6 +44,7 @@ class ExperimentConfig:
     refine: int = 1
     progress: bool = True
     memo_path: Path | None = None  # persisted measurements (resume); None: in memory only
+    only_shift: bool = False  # measure only the workload-shift section (can run beside a main run)
 
 
 @dataclass
@@ -149,6 +150,8 @@ def run_experiment(cfg: ExperimentConfig, on_section=None) -> dict:
     ev = Evaluator(model, bank, cfg.progress, cfg.memo_path, identity)
     bf16_bytes = sum(spec.out_features * spec.in_features * 2 for _, spec in bcq)
 
+    if cfg.only_shift:
+        return _shift_only(cfg, model, bank, tokenizer, calib, bcq, ev, bf16_bytes, out)
     main = _text_set(model, bank, tokenizer, cfg.calib_kind, cfg)
     calib_windows = max(1, cfg.calib_tokens // cfg.seq_len)
     calib_ids = token_windows(tokenizer, texts.calibration_text(cfg.calib_kind), cfg.seq_len, calib_windows)
@@ -255,38 +258,7 @@ def run_experiment(cfg: ExperimentConfig, on_section=None) -> dict:
         p["gap_closed"] = gap_closed(u3, p["ppl"], bf16["ppl"])
     section(ablation={"budget_bytes": b3, "spike_budget_bytes": spike, "rows": ablation_rows})
 
-    # ---- workload shift ------------------------------------------------------------------------
-    shift = None
-    if cfg.shift_kind:
-        ts = _text_set(model, bank, tokenizer, cfg.shift_kind, cfg)
-        rows = {"bf16": _point(ev.measure(ts, {}), bytes_=bf16_bytes)}
-        rows["uniform 3-bit bcq"] = _point(ev.measure(ts, uniform(bcq, min(cfg.bits))), bytes_=b3)
-        offline = plan_to_budget(quality(None), bcq, b3)
-        rows["PagedWeight, calibration statistics only"] = _point(ev.measure(ts, offline.assignment), offline)
-        online_policy = quality(ts)
-        online = plan_to_budget(online_policy, bcq, b3)
-        rows["PagedWeight, online statistics from the served text"] = _point(ev.measure(ts, online.assignment), online)
-        for p in rows.values():
-            p["gap_closed"] = gap_closed(rows["uniform 3-bit bcq"]["ppl"], p["ppl"], rows["bf16"]["ppl"])
-        served_mass = _masses(ts.served.traffic.routing.weight_sums)
-        calib_mass = np.asarray(calib.routing_mass)
-        online_mass = online_policy.stats.mass()
-        before = BlockBuckets.from_stats(calib.buckets, calib_mass * calib.num_experts).labels
-        after = BlockBuckets.from_stats(calib.buckets, online_policy.stats.normalized_mass()).labels
-        shift = {
-            "calibration_kind": cfg.calib_kind,
-            "evaluation_kind": cfg.shift_kind,
-            "budget_bytes": b3,
-            "rows": rows,
-            "plans_differ": offline.assignment != online.assignment,
-            "blocks_with_different_bits": sum(offline.assignment[k] != online.assignment[k] for k in offline.assignment),
-            "routing_adaptation": {
-                "l1_calibration_vs_served": float(np.abs(calib_mass - served_mass).sum(axis=1).mean()),
-                "l1_online_vs_served": float(np.abs(online_mass - served_mass).sum(axis=1).mean()),
-                "bucket_changes": sum(before[k] != after[k] for k in before),
-                "served_tokens": ts.served.tokens,
-            },
-        }
+    shift = _workload_shift(cfg, model, bank, tokenizer, calib, bcq, ev, bf16_bytes, b3) if cfg.shift_kind else None
 
     out["evaluation"]["evaluations"] = ev.evaluations
     out["evaluation"]["evaluations_reused_from_cache"] = ev.reused
@@ -301,3 +273,47 @@ def run_experiment(cfg: ExperimentConfig, on_section=None) -> dict:
     out["workload_shift"] = shift
     out["complete"] = True
     return out
+
+
+def _shift_only(cfg, model, bank, tokenizer, calib, bcq, ev, bf16_bytes, out) -> dict:
+    b3 = bytes_of(bcq, uniform(bcq, min(cfg.bits)))
+    out["workload_shift"] = _workload_shift(cfg, model, bank, tokenizer, calib, bcq, ev, bf16_bytes, b3)
+    out["complete"] = False
+    return out
+
+
+def _workload_shift(cfg, model, bank, tokenizer, calib, bcq, ev, bf16_bytes, b3) -> dict:
+    def quality(observer_from=None, **options) -> QualityPolicy:
+        return QualityPolicy(calib, QualityOptions(**options),
+                             observer_from.served.observer() if observer_from is not None else None)
+
+    ts = _text_set(model, bank, tokenizer, cfg.shift_kind, cfg)
+    rows = {"bf16": _point(ev.measure(ts, {}), bytes_=bf16_bytes)}
+    rows["uniform 3-bit bcq"] = _point(ev.measure(ts, uniform(bcq, min(cfg.bits))), bytes_=b3)
+    offline = plan_to_budget(quality(None), bcq, b3)
+    rows["PagedWeight, calibration statistics only"] = _point(ev.measure(ts, offline.assignment), offline)
+    online_policy = quality(ts)
+    online = plan_to_budget(online_policy, bcq, b3)
+    rows["PagedWeight, online statistics from the served text"] = _point(ev.measure(ts, online.assignment), online)
+    for p in rows.values():
+        p["gap_closed"] = gap_closed(rows["uniform 3-bit bcq"]["ppl"], p["ppl"], rows["bf16"]["ppl"])
+    served_mass = _masses(ts.served.traffic.routing.weight_sums)
+    calib_mass = np.asarray(calib.routing_mass)
+    online_mass = online_policy.stats.mass()
+    before = BlockBuckets.from_stats(calib.buckets, calib_mass * calib.num_experts).labels
+    after = BlockBuckets.from_stats(calib.buckets, online_policy.stats.normalized_mass()).labels
+    return {
+        "calibration_kind": cfg.calib_kind,
+        "evaluation_kind": cfg.shift_kind,
+        "budget_bytes": b3,
+        "tokens": int(ts.ids.shape[0] * (ts.ids.shape[1] - 1)),
+        "rows": rows,
+        "plans_differ": offline.assignment != online.assignment,
+        "blocks_with_different_bits": sum(offline.assignment[k] != online.assignment[k] for k in offline.assignment),
+        "routing_adaptation": {
+            "l1_calibration_vs_served": float(np.abs(calib_mass - served_mass).sum(axis=1).mean()),
+            "l1_online_vs_served": float(np.abs(online_mass - served_mass).sum(axis=1).mean()),
+            "bucket_changes": sum(before[k] != after[k] for k in before),
+            "served_tokens": ts.served.tokens,
+        },
+    }
