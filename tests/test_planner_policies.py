@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ from pagedweight.planner.routing_stats import BucketConfig
 from pagedweight.planner.sensitivity import SensitivityTable
 from pagedweight.planner.static_policy import StaticPolicy
 from pagedweight.runtime.blocks import BlockKey
+from tests.support.fake_page_table import Row, Table
 from pagedweight.runtime.planner_api import Observation, plan_bytes_delta, validate_plan
 
 BITS = (2, 4)
@@ -33,39 +33,6 @@ SPEC_BIG = BlockSpec(out_features=32, in_features=128, bits_min=2, bits_max=4, g
 SPEC_SMALL = BlockSpec(out_features=16, in_features=128, bits_min=2, bits_max=4, group_size=64)  # w2
 STAGES = ({"hot": 4, "warm": 3, "cold": 3}, {"hot": 3, "warm": 3, "cold": 2}, {"hot": 2, "warm": 2, "cold": 2})
 OBS = Observation()
-
-
-@dataclass
-class Row:
-    block_id: int
-    key: BlockKey
-    spec: BlockSpec
-    committed_bits: int
-    desired_bits: int
-    floor_bits: int
-    ceiling_bits: int
-
-    def bytes_at(self, bits: int) -> int:
-        return self.spec.bytes_at(bits)
-
-
-class Table:
-    def __init__(self, rows: list[Row]) -> None:
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __iter__(self):
-        return iter(self.rows)
-
-    def row(self, block_id: int) -> Row:
-        return self.rows[block_id]
-
-    def apply(self, plan) -> None:
-        for s in plan.steps:
-            self.rows[s.block_id].desired_bits = s.target_bits
-
 
 def make_table(layers: int, experts: int, bits: int = 4, floor: int = 2, ceiling: int = 4) -> Table:
     keys = [BlockKey(l, e, p) for l in range(layers) for e in range(experts) for p in ("w13", "w2")]

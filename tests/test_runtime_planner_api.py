@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from pagedweight.format.layout import BlockSpec
 from pagedweight.runtime.blocks import BlockKey
+from tests.support.fake_page_table import Row, Table
 from pagedweight.runtime.planner_api import (
     BlockView,
     Observation,
@@ -19,35 +19,6 @@ from pagedweight.runtime.planner_api import (
 )
 
 SPEC = BlockSpec(out_features=16, in_features=128, bits_min=2, bits_max=8, group_size=64)
-
-
-@dataclass
-class Row:
-    block_id: int
-    key: BlockKey
-    spec: BlockSpec
-    committed_bits: int
-    desired_bits: int
-    floor_bits: int
-    ceiling_bits: int
-
-    def bytes_at(self, bits: int) -> int:
-        return self.spec.bytes_at(bits)
-
-
-class Table:
-    def __init__(self, rows: list[Row]) -> None:
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __iter__(self):
-        return iter(self.rows)
-
-    def row(self, block_id: int) -> Row:
-        return self.rows[block_id]
-
 
 def make_table(desired: list[int], floor: int = 2, ceiling: int = 8) -> Table:
     # block ids deliberately not in key order, so the policy's ordering is tested
