@@ -13,7 +13,7 @@ from collections import defaultdict
 
 import torch
 
-from pagedweight.planner.moe_capture import find_moe_layers
+from pagedweight.planner.moe_capture import find_moe_layers, routed_call_args
 from pagedweight.planner.observer import ObservedTraffic, RoutingObserver
 
 
@@ -38,8 +38,7 @@ class TrafficRecorder:
 
     def _hook(self, layer: int):
         def hook(module, args, kwargs):
-            names = ("hidden_states", "top_k_index", "top_k_weights")
-            hidden, ids, weights = (list(args) + [kwargs[n] for n in names[len(args):] if n in kwargs])[:3]
+            hidden, ids, weights = routed_call_args(layer, args, kwargs)
             hidden = hidden.detach().reshape(-1, hidden.shape[-1]).float()
             ids = ids.detach().reshape(hidden.shape[0], -1).long()
             weights = weights.detach().reshape(ids.shape).float()

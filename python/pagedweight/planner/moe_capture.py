@@ -80,6 +80,16 @@ class LayerCapture:
         return (torch.cat(self.hidden), torch.cat(self.topk_ids), torch.cat(self.topk_weights), torch.cat(self.prompt))
 
 
+def routed_call_args(layer: int, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden, top_k_index, top_k_weights) of a call to a transformers fused-experts module, from a
+    forward pre-hook's (args, kwargs)."""
+    names = ("hidden_states", "top_k_index", "top_k_weights")
+    vals = list(args) + [kwargs[n] for n in names[len(args):] if n in kwargs]
+    if len(vals) < 3:
+        raise RuntimeError(f"experts module of layer {layer} was called without (hidden, top_k_index, top_k_weights)")
+    return vals[0], vals[1], vals[2]
+
+
 class RoutedCapture:
     """Context manager: pre-hooks on every experts module record (hidden, ids, weights, prompt index)."""
 
@@ -101,11 +111,7 @@ class RoutedCapture:
 
     def _hook(self, layer: int):
         def hook(module, args, kwargs):
-            names = ("hidden_states", "top_k_index", "top_k_weights")
-            vals = list(args) + [kwargs[n] for n in names[len(args):] if n in kwargs]
-            if len(vals) < 3:
-                raise RuntimeError(f"experts module of layer {layer} was called without (hidden, top_k_index, top_k_weights)")
-            hidden, ids, weights = vals[:3]
+            hidden, ids, weights = routed_call_args(layer, args, kwargs)
             cap = self.captured[layer]
             cap.hidden.append(hidden.detach().reshape(-1, hidden.shape[-1]).float().cpu())
             cap.topk_ids.append(ids.detach().reshape(hidden.numel() // hidden.shape[-1], -1).long().cpu())
