@@ -9,6 +9,7 @@ The output is built in OUT.partial-<pid> and renamed to OUT only when complete.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -54,6 +55,7 @@ class ConvertOptions:
     force: bool = False
     max_shard_bytes: int = 1 << 30
     progress: bool = True
+    workers: int = 1  # >1: quantize blocks in a process pool (same bytes out, see _quantize_blocks)
 
     def validate(self) -> None:
         if self.table_kind not in TABLE_KINDS:
@@ -70,6 +72,8 @@ class ConvertOptions:
             raise ConversionError(f"--calib-text {self.calib_text} is not a file")
         if self.max_shard_bytes <= 0:
             raise ConversionError(f"max_shard_bytes must be positive, got {self.max_shard_bytes}")
+        if self.workers < 1:
+            raise ConversionError(f"--workers must be at least 1, got {self.workers}")
 
 
 @dataclass
@@ -260,7 +264,7 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, **options: An
     """Convert the HF MoE model in `model_dir` to an AP checkpoint at `out_dir`; return `out_dir`.
 
     Options are the fields of ConvertOptions (table_kind, bits_min, bits_max, group_size, calib_text,
-    calib_tokens, seed, standalone_ap_dir, force, max_shard_bytes, progress).
+    calib_tokens, seed, standalone_ap_dir, force, max_shard_bytes, progress, workers).
     """
     known = {f.name for f in fields(ConvertOptions)}
     if unknown := sorted(set(options) - known):
@@ -288,6 +292,41 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, **options: An
     return out
 
 
+def _quantize_one(shard: Path, name: str, hessian: torch.Tensor | None, kind: str, bits_min: int, bits_max: int,
+                  group_size: int):
+    """Read one expert weight from its shard and quantize it: (QuantizedBlock, sum of squared weights)."""
+    with safe_open(str(shard), framework="pt") as f:
+        weight = f.get_tensor(name).float()
+    block = quantize_block(weight, kind, bits_min, bits_max, group_size, hessian)
+    return block, float(weight.double().square().sum())
+
+
+def _pool_worker_init() -> None:
+    # One thread per process: N processes x 1 thread is what makes --workers N use N cores. The quantizer
+    # works on small float64 batches whose results do not depend on the thread count (a test checks bytes).
+    torch.set_num_threads(1)
+
+
+@contextlib.contextmanager
+def _block_quantizer(opts: ConvertOptions):
+    """Yields quantize(shard, jobs) -> iterator of (block, energy) in job order; in-process or a process pool."""
+    args = (opts.table_kind, opts.bits_min, opts.bits_max, opts.group_size)
+    if opts.workers == 1:
+        yield lambda shard, jobs: (_quantize_one(shard, name, hessian, *args) for name, _, hessian in jobs)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn, not fork: the parent may already run OpenMP threads, which a forked child must not inherit.
+    with ProcessPoolExecutor(opts.workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_pool_worker_init) as pool:
+        def quantize(shard: Path, jobs: list):
+            futures = [pool.submit(_quantize_one, shard, name, hessian, *args) for name, _, hessian in jobs]
+            return (future.result() for future in futures)
+
+        yield quantize
+
+
 def _convert_into(source: SourceModel, partial: Path, opts: ConvertOptions) -> None:
     stats = _calibrate(source, opts) if opts.calib_text is not None else None
     if stats is not None:
@@ -313,9 +352,10 @@ def _convert_into(source: SourceModel, partial: Path, opts: ConvertOptions) -> N
     sse = {b: 0.0 for b in range(opts.bits_min, opts.bits_max + 1)}
     energy = 0.0
     with tqdm(total=len(source.experts), desc=f"quantize experts ({opts.table_kind})", unit="block",
-              disable=not opts.progress) as bar:
+              disable=not opts.progress) as bar, _block_quantizer(opts) as quantize:
         for shard in source.shards:
             dense: dict[str, torch.Tensor] = {}
+            jobs: list[tuple[str, BlockKey, torch.Tensor | None]] = []
             with safe_open(str(shard), framework="pt") as f:
                 for name in sorted(f.keys()):
                     key = source.experts.get(name)
@@ -326,14 +366,14 @@ def _convert_into(source: SourceModel, partial: Path, opts: ConvertOptions) -> N
                             dense[name] = f.get_tensor(name)
                         if key is None:
                             continue
-                    weight = f.get_tensor(name).float()
-                    hessian = None if stats is None else stats.hessian.get(key)
-                    block = quantize_block(weight, opts.table_kind, opts.bits_min, opts.bits_max, opts.group_size, hessian)
-                    writer.add(block_name(name), key, block)
-                    for b, value in block.fit_sse.items():
-                        sse[b] += value
-                    energy += float(weight.double().square().sum())
-                    bar.update(1)
+                    jobs.append((name, key, None if stats is None else stats.hessian.get(key)))
+            # Blocks come back in job order, so shards, manifest and the error sums are the same for any pool size.
+            for (name, key, _), (block, block_energy) in zip(jobs, quantize(shard, jobs), strict=True):
+                writer.add(block_name(name), key, block)
+                for b, value in block.fit_sse.items():
+                    sse[b] += value
+                energy += block_energy
+                bar.update(1)
             dense_parts.append(dense)
     writer.finish(progress=opts.progress)
     if not opts.standalone_ap_dir:
@@ -364,6 +404,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--standalone-ap-dir", action="store_true",
                         help="write only OUT/pagedweight/ (serve with --model-path HF_DIR --paged-weight-path OUT)")
     parser.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="quantize expert blocks in N processes of one thread each (output bytes do not depend on N)")
     parser.set_defaults(func=_run_cli)
 
 
@@ -373,7 +415,7 @@ def _run_cli(args: argparse.Namespace) -> int:
         out = convert_checkpoint(
             args.model, args.out, table_kind=args.table_kind, bits_min=args.bits_min, bits_max=args.bits_max,
             group_size=args.group_size, calib_text=args.calib_text, calib_tokens=args.calib_tokens, seed=args.seed,
-            standalone_ap_dir=args.standalone_ap_dir, force=args.force,
+            standalone_ap_dir=args.standalone_ap_dir, force=args.force, workers=args.workers,
         )
     except ConversionError as exc:
         print(f"pagedweight convert: error: {exc}", file=sys.stderr)

