@@ -2,6 +2,9 @@
 # GPU-machine session (see ../shared/devicekit/README.md): run after the three devicekit parts are installed.
 #   bash benchmark/gpu_session.sh kernels   # GPU correctness tests + SGLang baseline + AP kernel benchmark
 #   bash benchmark/gpu_session.sh serve     # server smoke test + bench_one_batch stock bf16 vs AP 4-bit
+#   bash benchmark/gpu_session.sh pressure  # KV-pressure bursts: PagedWeight (+poison) vs stock bf16, same budget
+#   bash benchmark/gpu_session.sh longbench # MoEfied SmolLM2 rebuilt from /tmp/sc (carried pieces), LongBench-format
+#                                           # work at one budget: stock bf16 vs uniform AP vs PagedWeight
 # Writes everything under $OUT (default out/gpu).
 set -uo pipefail
 stage="${1:-kernels}"
@@ -37,5 +40,34 @@ if [ "$stage" = serve ]; then
     >"$OUT/obb_bf16.log" 2>&1; tail -4 "$OUT/obb_bf16.log"
   timeout 240 python3 benchmark/bench_one_batch.py "${common[@]}" "${bench[@]}" --enable-paged-weight \
     --paged-weight-bits 4 --result-filename "$OUT/obb_ap4.jsonl" >"$OUT/obb_ap4.log" 2>&1; tail -4 "$OUT/obb_ap4.log"
+fi
+if [ "$stage" = pressure ]; then
+  model=/tmp/qwen15moe-dummy
+  python3 benchmark/dummy_model.py --model qwen15moe --out $model >/dev/null
+  # f = 0.33 leaves stock bf16 ~100k KV tokens on a 141 GB H200 (weights 28.6 GB); PagedWeight at 8 bits gets
+  # ~50k more from the smaller experts and can reach ~40k beyond that by lowering bits to 3.
+  timeout "${PRESSURE_TIMEOUT:-480}" python3 benchmark/pressure_bench.py --model-path $model --load-format dummy \
+    --mem-fraction-static "${PRESSURE_MEM_FRACTION:-0.33}" --input-len 2048 --output-len 384 \
+    --extra-server-args "--attention-backend triton --sampling-backend pytorch --cuda-graph-max-bs 128" \
+    --out "$OUT/pressure.json" 2>&1 | tee "$OUT/pressure.log" | grep -v "^\[20" | tail -40
+  pkill -f sglang.launch_server; sleep 3
+  tar czf "$OUT/pressure_logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
+fi
+if [ "$stage" = longbench ]; then
+  # The carried pieces were copied to /tmp/sc by each call (benchmark/device_build_smollm2_moe.py prepare).
+  python3 benchmark/device_build_smollm2_moe.py build --carry /tmp/sc --out /tmp/smollm2 2>&1 | tee "$OUT/build.log" \
+    | grep -v "block/s\|it/s" | tail -20
+  ap=/tmp/smollm2/ap; moe=/tmp/smollm2/moe
+  # The calibration computed on the build machine (its AP shard matched when the checks above say ok).
+  cp /tmp/sc/calibration/*.json $ap/pagedweight/calibration.json && echo "calibration installed"
+  python3 -m pagedweight.longbench make-fixtures --out /tmp/lb --samples "${LB_SAMPLES:-16}" --paragraphs 60 \
+    --passkey-filler 300 >/dev/null && rm -f /tmp/lb/passage_retrieval_en_e.jsonl
+  timeout "${LB_TIMEOUT:-420}" python3 benchmark/longbench_pressure.py --ap-model $ap --bf16-model $moe \
+    --data-dir /tmp/lb --bf16-kv-tokens "${LB_KV_TOKENS:-12000}" --uniform-bits 3 --pw-bits 8 --pw-min-bits 3 \
+    --concurrency 16 --max-prompt-tokens 7500 \
+    --extra-server-args "--attention-backend triton --sampling-backend pytorch --cuda-graph-max-bs 32" \
+    --out "$OUT/longbench.json" 2>&1 | tee "$OUT/longbench.log" | grep -v "^\[20" | tail -30
+  pkill -f sglang.launch_server; sleep 3
+  tar czf "$OUT/longbench_logs.tgz" -C "$OUT" logs longbench_runs && rm -rf "$OUT/logs" "$OUT/longbench_runs"
 fi
 ls -la "$OUT"

@@ -165,8 +165,18 @@ class PagedWeightScheduler:
                 "offload_signals": sig.offload_signals,
                 "relax_signals": sig.relax_signals,
             },
+            "gpu_memory": _gpu_memory(self.forward_stream),
             **self.runtime.state(include_blocks=True),
         }
+
+
+def _gpu_memory(stream: Any) -> Optional[dict]:
+    """The driver's free/total bytes of this process's device (None without CUDA): plane memory the arena
+    unmaps shows up here, and so does KV memory the elastic cache maps."""
+    if stream is None:
+        return None
+    free, total = torch.cuda.mem_get_info(stream.device)
+    return {"free_bytes": int(free), "total_bytes": int(total)}
 
 
 def _kv_bytes_per_token(kv_cache: Any) -> int:

@@ -1,0 +1,88 @@
+"""The benchmark support code (pagedweight.bench): what it parses and summarizes, on hand-made inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pagedweight.bench.burst import BurstSpec, _count_bad_logprobs, percentile
+from pagedweight.bench.prometheus import parse_prometheus, retracted_requests
+from pagedweight.bench.state_sampler import summarize_state
+
+PROM = """# HELP sglang:num_retracted_reqs_total retracted
+# TYPE sglang:num_retracted_reqs_total counter
+sglang:num_retracted_reqs_total{model_name="m",tp_rank="0"} 3.0
+sglang:num_retracted_reqs_total{model_name="m",tp_rank="1"} 2.0
+sglang:num_retracted_reqs_created{model_name="m"} 1.7e9
+sglang:gen_throughput{model_name="m"} NaN
+sglang:token_usage{model_name="m"} 0.25
+"""
+
+
+def test_parse_prometheus_sums_label_sets_and_skips_nan():
+    m = parse_prometheus(PROM)
+    assert m["sglang:num_retracted_reqs_total"] == 5.0
+    assert m["sglang:token_usage"] == 0.25
+    assert "sglang:gen_throughput" not in m
+    assert retracted_requests(m) == 5
+
+
+def test_retractions_absent_counter_is_zero_only_with_sglang_metrics():
+    assert retracted_requests({"sglang:token_usage": 0.1}) == 0
+    with pytest.raises(KeyError, match="enable-metrics"):
+        retracted_requests({"python_gc_objects_collected_total": 1.0})
+
+
+def _info(blocks, hist, kv_cap=1000, used_kv=4096):
+    return {
+        "max_total_num_tokens": 900,
+        "internal_states": [{
+            "memory_usage": {"token_capacity": 900},
+            "paged_weight": {
+                "elastic_kv": {"capacity_tokens": kv_cap},
+                "budget": {"used": {"kv": used_kv, "weights": 100}, "free": 7},
+                "weights_resident_bytes": 123,
+                "committed_bits_histogram": hist,
+                "counters": {"transitions": 11},
+                "queued_blocks": 2,
+                "gpu_memory": {"free_bytes": 5, "total_bytes": 10},
+                "blocks": blocks,
+            },
+        }],
+    }
+
+
+def test_summarize_state_paged_weight():
+    blocks = [[0, 0, "w13", 8, 8], [0, 0, "w2", 3, 3], [1, 0, "w13", 4, 3]]
+    s = summarize_state(_info(blocks, {"8": 1, "3": 1, "4": 1}), 1.23456)
+    assert s.t_s == 1.235
+    assert s.token_capacity == 1000  # the elastic capacity, not SGLang's start value
+    assert (s.kv_bytes, s.weight_bytes, s.free_budget_bytes) == (4096, 123, 7)
+    assert s.mean_bits == 5.0
+    assert s.block_bits == "834"
+    assert (s.transitions, s.queued_blocks, s.gpu_free_bytes) == (11, 2, 5)
+
+
+def test_summarize_state_stock_sglang():
+    s = summarize_state({"max_total_num_tokens": 900, "internal_states": [{"memory_usage": {"token_capacity": 900}}]}, 0)
+    assert s.token_capacity == 900 and s.kv_bytes is None and s.block_bits is None
+
+
+def test_burst_prompts_are_deterministic_and_in_range():
+    a = BurstSpec(3, 50, 4, vocab_size=5000, seed=7).prompts()
+    b = BurstSpec(3, 50, 4, vocab_size=5000, seed=7).prompts()
+    c = BurstSpec(3, 50, 4, vocab_size=5000, seed=8).prompts()
+    assert a == b and a != c
+    assert all(len(p) == 50 and all(1000 <= t < 5000 for t in p) for p in a)
+
+
+def test_nan_and_null_logprobs_count_as_bad():
+    meta = {"output_token_logprobs": [[-0.5, 1, None], [None, 2, None], [math.nan, 3, None], [-1.0, 4, None]]}
+    assert _count_bad_logprobs(meta) == 2
+
+
+def test_percentile_nearest_rank():
+    xs = [float(i) for i in range(1, 101)]
+    assert percentile(xs, 99) == 99.0 and percentile(xs, 50) == 50.0 and percentile([], 99) is None
+    assert percentile([4.0], 99) == 4.0

@@ -1,0 +1,52 @@
+"""benchmark/pressure_bench.py end to end on the CPU server: the same script the GPU evidence comes from.
+
+Two systems at one budget (PagedWeight in poison mode with two bursts and quiet periods; stock SGLang on the
+bf16 checkpoint), a small KV cache and a high low-watermark so the burst makes the experts give bytes back.
+The results file must carry the issue's headline keys, every request must complete, no NaN may appear, and
+the timeline must show the KV capacity growing while the mean bitwidth drops, then both returning.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_pressure_bench_cpu(ap_qwen2_moe, tiny_qwen2_moe, server_env, cpu_server_flags, tmp_path):
+    flags = list(cpu_server_flags)
+    i = flags.index("--mem-fraction-static")
+    del flags[i:i + 2]
+    flags[flags.index("--max-total-tokens") + 1] = "700"
+    flags += ["--paged-weight-kv-low-watermark", "0.5", "--paged-weight-kv-high-watermark", "0.8"]
+    out = tmp_path / "pressure.json"
+    cmd = [sys.executable, str(REPO / "benchmark" / "pressure_bench.py"), "--model-path", str(ap_qwen2_moe),
+           "--bf16-model-path", str(tiny_qwen2_moe), "--mem-fraction-static", "0.5", "--systems",
+           "pagedweight_poison,static_bf16", "--poison-bursts", "2", "--num-requests", "6", "--input-len", "90",
+           "--output-len", "40", "--quiet-timeout-s", "300", "--extra-server-args", " ".join(flags), "--out", str(out)]
+    proc = subprocess.run(cmd, env=server_env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    h = doc["headline"]
+    assert set(h) == {"oom", "poison_nan", "transitions", "retractions_pagedweight", "retractions_static_bf16",
+                      "throughput_ratio_vs_static_bf16"}
+    assert h["oom"] == 0 and h["poison_nan"] == 0
+    assert h["transitions"] > 0 and h["throughput_ratio_vs_static_bf16"] > 0
+    assert isinstance(h["retractions_static_bf16"], int) and isinstance(h["retractions_pagedweight"], int)
+    poison, bf16 = doc["systems"]
+    assert not poison.get("error") and not bf16.get("error")
+    assert [r["completed"] for r in poison["rounds"]] == [6, 6] and bf16["rounds"][0]["completed"] == 6
+    assert all(q["reload_s"] is not None for q in poison["quiets"])  # back to 8 bits after each burst
+    tl = poison["timeline"]
+    start_cap = poison["kv_capacity_tokens_start"]
+    assert max(s["token_capacity"] for s in tl) > start_cap
+    assert min(s["mean_bits"] for s in tl) < 8.0
+    assert tl[-1]["mean_bits"] == 8.0
+    assert (out.with_suffix(".md")).read_text().count("| pagedweight_poison |") == 1
