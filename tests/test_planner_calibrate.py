@@ -96,10 +96,16 @@ def test_sensitivity_and_mass_match_independent_recomputation(calibrated):
             assert x.shape[0] > 0
             gate, up = ref.gate_up(e)
             down = ref.down(e)
-            a = torch.nn.functional.silu(x @ gate.T) * (x @ up.T)
+            g, u = x @ gate.T, x @ up.T
+            a = torch.nn.functional.silu(g) * u
+            # expert-output units: gate/up errors through the SiLU-gate Jacobian (closed form) and down's columns
+            sig = torch.sigmoid(g)
+            j_gate, j_up = sig * (1 + g * (1 - sig)) * u, torch.nn.functional.silu(g)  # [T, I]
+            col = (down**2).sum(0)  # [I]
             for b in (2, 3, 4):
                 wg, wu, wd = (blocks.weight_at(f"{ref.layer}.{e}.{p}", b) for p in ("gate", "up", "down"))
-                s13 = float((((gate - wg) ** 2) * (x**2).mean(0)).sum() + (((up - wu) ** 2) * (x**2).mean(0)).sum())
+                s13 = float(sum(torch.einsum("n,tn,tk,nk->", col, j**2, x**2, (w - wq) ** 2) / x.shape[0]
+                                for j, w, wq in ((j_gate, gate, wg), (j_up, up, wu))))
                 s2 = float((((down - wd) ** 2) * (a**2).mean(0)).sum())
                 assert data.sensitivity[(ref.layer, e, "w13")].s(b) == pytest.approx(s13, rel=1e-4)
                 assert data.sensitivity[(ref.layer, e, "w2")].s(b) == pytest.approx(s2, rel=1e-4)
@@ -119,6 +125,11 @@ def test_features_heads_and_buckets_are_consistent(calibrated):
     # targets are log-ratios of like quantities: typical prompts sit near 0, not orders of magnitude away
     for head in data.residual.heads.values():
         assert abs(head.predict(np.ones(3))) < 2.0
+    # s^b of w13 and of w2 both predict the measured error of the expert's output (one scale): the median
+    # log(measured / predicted) of every transition is near 0 for both projections
+    medians = data.source["residual_target_median"]
+    assert {k.split(":")[0] for k in medians} == {"w13", "w2"}
+    assert all(abs(v) < 1.0 for v in medians.values()), medians
     normalized = data.routing_mass[moe] * data.num_experts
     labels = [data.buckets.bucket(v) for v in normalized.reshape(-1)]
     assert labels.count("hot") >= 1 and labels.count("cold") >= 1

@@ -30,7 +30,14 @@ from pagedweight.planner.routing_stats import (
     default_floor_stages,
     routing_mass,
 )
-from pagedweight.planner.sensitivity import SensitivityTable, freed_bytes, hessian_sensitivity, sensitivity_by_bits
+from pagedweight.planner.sensitivity import (
+    SensitivityTable,
+    activation_derivative,
+    expert_output_hessians,
+    freed_bytes,
+    hessian_sensitivity,
+    sensitivity_by_bits,
+)
 
 
 # ---- sensitivity -----------------------------------------------------------------------------------
@@ -42,10 +49,20 @@ def test_hessian_sensitivity_hand_case():
     assert hessian_sensitivity(w, wq, h) == pytest.approx(5.0)
 
 
+def test_hessian_sensitivity_per_element_h_hand_case():
+    w = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    wq = torch.tensor([[1.5, 2.0], [2.0, 4.5]])
+    h = torch.tensor([[2.0, 7.0], [3.0, 10.0]])
+    # 0.25 * 2 + 0 * 7 + 1 * 3 + 0.25 * 10 = 6.0
+    assert hessian_sensitivity(w, wq, h) == pytest.approx(6.0)
+
+
 def test_hessian_sensitivity_rejects_bad_shapes_and_negative_h():
     w = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="one entry per input column"):
         hessian_sensitivity(w, w, torch.ones(2))
+    with pytest.raises(ValueError, match="per weight"):
+        hessian_sensitivity(w, w, torch.ones(3, 2))
     with pytest.raises(ValueError, match="cannot be negative"):
         hessian_sensitivity(w, w, torch.tensor([1.0, -1.0, 0.0]))
     with pytest.raises(ValueError, match="one shape"):
@@ -67,6 +84,51 @@ def test_sensitivity_on_real_planes_matches_definition():
     # at 1 bit planes 2 and 3 are missing: error = 0.5*(2b1-1) + 0.25*(2b2-1)
     err = 0.5 * (2 * bits[1, 0].float() - 1) + 0.25 * (2 * bits[2, 0].float() - 1)
     assert s[1] == pytest.approx(float((err**2 * h).sum()))
+
+
+def test_expert_output_hessians_hand_case():
+    # identity activation, so act' = 1: f(x) = W_down ((W_gate x) * (W_up x))
+    x = torch.tensor([[1.0, 2.0], [3.0, 0.0]])
+    w_gate = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # g = x: [[1, 2], [3, 0]]
+    w_up = torch.tensor([[1.0, 1.0], [0.0, 2.0]])  # u = [[3, 4], [3, 0]]
+    w_down = torch.tensor([[1.0, 2.0], [0.0, 1.0]])  # column norms^2 c = (1, 5)
+    h = expert_output_hessians(x, w_gate, w_up, w_down, lambda z: z)
+    # gate: c_n mean_t u_tn^2 x_tk^2 -> n=0: mean(9*(1,4), 9*(9,0)) = (45, 18); n=1: 5 * mean(16*(1,4), 0) = (40, 160)
+    assert h.gate.flatten().tolist() == pytest.approx([45.0, 18.0, 40.0, 160.0])
+    # up: c_n mean_t g_tn^2 x_tk^2 -> n=0: mean((1,4), 9*(9,0)) = (41, 2); n=1: 5 * mean(4*(1,4), 0) = (10, 40)
+    assert h.up.flatten().tolist() == pytest.approx([41.0, 2.0, 10.0, 40.0])
+    # down: mean_t a_tj^2 with a = g * u = [[3, 8], [9, 0]] -> (45, 32)
+    assert h.down.tolist() == pytest.approx([45.0, 32.0])
+    with pytest.raises(ValueError, match="do not form an expert"):
+        expert_output_hessians(x, w_gate, w_up, w_down.T[:1], lambda z: z)
+
+
+def test_activation_derivative_matches_silu_closed_form():
+    z = torch.linspace(-8, 8, 101, dtype=torch.float64)
+    sig = torch.sigmoid(z)
+    assert torch.allclose(activation_derivative(torch.nn.functional.silu, z), sig * (1 + z * (1 - sig)), atol=1e-8)
+
+
+@pytest.mark.parametrize("proj", ["gate", "up", "down"])
+def test_expert_output_sensitivity_is_the_output_error_of_one_weight(proj):
+    """One perturbed weight has no cross terms: s must equal the measured mean squared change of the
+    expert's output (first order), for gate, up and down alike, i.e. every projection on one scale."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 6, dtype=torch.float64)
+    w = {"gate": torch.randn(4, 6, dtype=torch.float64), "up": torch.randn(4, 6, dtype=torch.float64),
+         "down": torch.randn(6, 4, dtype=torch.float64) * 3}
+    act = torch.nn.functional.silu
+
+    def out(ws):
+        return (act(x @ ws["gate"].T) * (x @ ws["up"].T)) @ ws["down"].T
+
+    h = expert_output_hessians(x, w["gate"], w["up"], w["down"], act)
+    wq = dict(w)
+    wq[proj] = w[proj].clone()
+    wq[proj][1, 2] += 1e-4
+    measured = float((out(wq) - out(w)).pow(2).sum(1).mean())
+    predicted = hessian_sensitivity(w[proj], wq[proj], getattr(h, proj))
+    assert predicted == pytest.approx(measured, rel=1e-3)
 
 
 def test_global_damage_freed_bytes_and_sum():
@@ -241,6 +303,13 @@ def test_calibration_roundtrip_and_validation(tmp_path):
     raw = json.loads(path.read_text())
     raw["version"] = 99
     with pytest.raises(CalibrationError, match="version 99 is not supported"):
+        CalibrationData.from_json(raw)
+    raw["version"] = 1  # w13 sensitivities in gate/up units: refused with the reason and the fix
+    with pytest.raises(CalibrationError, match=r"version 1 is not supported.*gate/up output units.*re-run `pagedweight calibrate`"):
+        CalibrationData.from_json(raw)
+    raw = json.loads(path.read_text())
+    raw["sensitivity_units"] = "gate_up_output"
+    with pytest.raises(CalibrationError, match="sensitivity_units"):
         CalibrationData.from_json(raw)
     raw = json.loads(path.read_text())
     del raw["routing"]

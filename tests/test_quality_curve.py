@@ -81,6 +81,20 @@ def test_plans_respect_budgets(setup):
     assert frozen.bytes <= (b2 + b3) // 2 and moved.bytes <= b3 and moved.bytes >= frozen.bytes
 
 
+def test_calibration_of_an_older_format_is_not_reused(setup, tmp_path):
+    import json
+
+    from quality.artifacts import calibration_current
+
+    _, _, calib = setup
+    assert calibration_current(Path(calib))
+    old = json.loads(Path(calib).read_text())
+    old["version"] = 1
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert not calibration_current(tmp_path / "old.json")
+    assert not calibration_current(tmp_path / "missing.json")
+
+
 def test_report_helpers():
     assert gap_closed(12.0, 11.0, 10.0) == pytest.approx(0.5)
     assert gap_closed(10.0, 11.0, 10.0) is None

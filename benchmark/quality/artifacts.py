@@ -6,7 +6,8 @@
     cache/ap-bcq/.../calibration-{text}.json   pagedweight calibrate --text cache/text/{text}_calibration.txt
 
 An artifact is reused when its directory (or file) is complete: a model with config.json, an AP checkpoint
-with its manifest (written last by the converter), a calibration file (written atomically). The exact
+with its manifest (written last by the converter), a calibration file (written atomically) that this build
+can read (a file of an older calibration format version is made again). The exact
 command of every artifact is recorded, whether it ran now or earlier.
 """
 
@@ -115,7 +116,21 @@ def start_calibration(log: ArtifactLog, model_dir: Path, ap_dir: Path, text: Pat
     out = ap_dir / "pagedweight" / f"calibration-{text_kind}-{tokens}.json"
     argv = ["calibrate", "--model", str(model_dir), "--ap", str(ap_dir), "--text", str(text),
             "--tokens", str(tokens), "--out", str(out)]
-    return out, log.start(argv, out, reuse=out.is_file())
+    return out, log.start(argv, out, reuse=calibration_current(out))
+
+
+def calibration_current(path: Path) -> bool:
+    """A calibration file is reused only if this build reads it (an older format version is re-made)."""
+    from pagedweight.planner.calibration import CalibrationData, CalibrationError
+
+    if not path.is_file():
+        return False
+    try:
+        CalibrationData.load(path)
+    except CalibrationError as exc:
+        print(f"[quality] not reusing {path}: {exc}", flush=True)
+        return False
+    return True
 
 
 def ensure_all(cache: Path, log: ArtifactLog, model_dir: Path, calib_text: Path, calib_kind: str,

@@ -3,11 +3,13 @@
 Versioned JSON, validated on load: every problem is reported with the field that is wrong and the fix
 (re-run the calibration for this checkpoint). Contents:
 
-    format, version          "pagedweight-calibration", 1
+    format, version          "pagedweight-calibration", 2 (version 1 stored w13 sensitivities in gate/up
+                             output units, not comparable with w2's; such files are refused)
     ap                       table_kind, bits_min, bits_max, config_sha256 of the AP checkpoint it was made for
     source                   calibration text, tokens, prompts
     num_layers, num_experts  shape of the per-expert arrays (rows = decoder layer index)
-    sensitivity              [{layer, expert, proj, s: {bits: s^b}}] per runtime block (w13 = gate + up, w2 = down)
+    sensitivity              [{layer, expert, proj, s: {bits: s^b}}] per runtime block (w13 = gate + up, w2 = down),
+                             expected squared error of the expert's output per routed token (SENSITIVITY_UNITS)
     routing.mass             [L][E] routing mass m_{l,e} over the calibration text (eq. 1)
     buckets                  hot/cold thresholds on m*E, mu per bucket, bitwidth-floor stages
     prompt_residual          ref_norm [L][E][3] and heads {"proj:b->b'": {w, a, confidence, rho_min, rho_max}}
@@ -30,7 +32,13 @@ from pagedweight.planner.routing_stats import BucketConfig
 from pagedweight.planner.sensitivity import SensitivityTable
 
 CALIBRATION_FORMAT = "pagedweight-calibration"
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
+SENSITIVITY_UNITS = "expert_output"  # s^b of every projection is measured at the expert's output (docs/planner.md)
+# Why an older version is refused (each names the fix: re-run `pagedweight calibrate`).
+_OLD_VERSIONS = {
+    1: "its w13 sensitivities are in gate/up output units while w2's are in expert-output units, so the planner "
+       "would rank the two projections on different scales",
+}
 CALIBRATION_FILENAME = "calibration.json"
 PROJS: tuple[str, ...] = ("w13", "w2")  # runtime block projections: gate||up, down
 
@@ -104,6 +112,7 @@ class CalibrationData:
         return {
             "format": CALIBRATION_FORMAT,
             "version": CALIBRATION_VERSION,
+            "sensitivity_units": SENSITIVITY_UNITS,
             "ap": self.ap.to_json(),
             "source": self.source,
             "num_layers": self.num_layers,
@@ -135,10 +144,15 @@ class CalibrationData:
             if d.get("format") != CALIBRATION_FORMAT:
                 raise CalibrationError(f"{where}: 'format' is {d.get('format')!r}, expected {CALIBRATION_FORMAT!r}")
             if d.get("version") != CALIBRATION_VERSION:
+                why = _OLD_VERSIONS.get(d.get("version"))
                 raise CalibrationError(
                     f"{where}: version {d.get('version')!r} is not supported (this build reads version "
-                    f"{CALIBRATION_VERSION}); re-run `pagedweight calibrate`"
+                    f"{CALIBRATION_VERSION}{'; ' + why if why else ''}); re-run `pagedweight calibrate` for this "
+                    "checkpoint"
                 )
+            if d.get("sensitivity_units") != SENSITIVITY_UNITS:
+                raise CalibrationError(f"{where}: sensitivity_units is {d.get('sensitivity_units')!r}, expected "
+                                       f"{SENSITIVITY_UNITS!r}; re-run `pagedweight calibrate`")
             ap = d["ap"]
             sens = {}
             for entry in d["sensitivity"]:

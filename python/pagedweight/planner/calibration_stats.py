@@ -2,14 +2,15 @@
 
 Runs the Hugging Face model (transformers, CPU, float32) on the text cut into prompts, captures the routed
 inputs of every MoE layer, and computes per runtime block (layer, expert, w13|w2):
-- E[x_j^2] of the block's input over the tokens routed to the expert (w2's input is act(gate) * up,
-  recomputed at full precision), and the sensitivity s^b = sum h (W - W^b)^2 at every stored bitwidth,
-  with W^b decoded from the AP checkpoint (docs/planner.md, eq. 2);
+- the diagonal Hessians of gate, up and down in expert-output units over the tokens routed to the expert
+  (planner.sensitivity.expert_output_hessians: w2's input second moments; gate/up errors carried through
+  the SiLU-gate Jacobian and the down projection), and the sensitivity s^b = sum h (W - W^b)^2 at every
+  stored bitwidth, with W^b decoded from the AP checkpoint (docs/planner.md, eq. 2);
 - routing masses m_{l,e} (eq. 1), bucket thresholds on m*E and the bucket multipliers mu;
 - prompt-residual heads per (proj, b -> b-1): for every (prompt, expert) with enough routed tokens, the
-  target log(d_p / g) where d_p is the increase of the block's mean squared output error on that prompt's
-  routed tokens (quantized vs full-precision weights, same input) and g the global damage, regressed on
-  the prompt's normalised routed-input features.
+  target log(d_p / g) where d_p is the increase of the mean squared error of the expert's output on that
+  prompt's routed tokens (only this block quantized, measured exactly, nonlinearity included) and g the
+  global damage, regressed on the prompt's normalised routed-input features.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from pagedweight.planner.routing_stats import (
     default_floor_stages,
     routing_weight_sums,
 )
-from pagedweight.planner.sensitivity import SensitivityTable, hessian_sensitivity
+from pagedweight.planner.sensitivity import SensitivityTable, expert_output_hessians, hessian_sensitivity
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ def layer_statistics(
         w_gate, w_up = ref.gate_up(e)
         w_down = ref.down(e)
         a = ref.act(x @ w_gate.T) * (x @ w_up.T)
-        h_x, h_a = x.pow(2).mean(0), a.pow(2).mean(0)
+        hess = expert_output_hessians(x, w_gate, w_up, w_down, ref.act)
         names = {pj: blocks.block_name(ref.layer, e, pj) for pj in ("gate", "up", "down")}
         for pj, w in (("gate", w_gate), ("up", w_up), ("down", w_down)):
             spec = blocks.spec(names[pj])
@@ -158,13 +159,14 @@ def layer_statistics(
                 raise ValueError(f"AP block {names[pj]} is {spec.out_features}x{spec.in_features}, the model's is "
                                  f"{tuple(w.shape)}: the AP checkpoint was made from another model")
         s13, s2 = {}, {}
-        err13, err2 = {}, {}  # bits -> per-token squared output error
+        err13, err2 = {}, {}  # bits -> per-token squared error of the expert's output (measured, exact)
         for b in bitwidths:
             g_b, u_b, d_b = (blocks.weight_at(names[pj], b) for pj in ("gate", "up", "down"))
-            s13[b] = hessian_sensitivity(w_gate, g_b, h_x) + hessian_sensitivity(w_up, u_b, h_x)
-            s2[b] = hessian_sensitivity(w_down, d_b, h_a)
+            s13[b] = hessian_sensitivity(w_gate, g_b, hess.gate) + hessian_sensitivity(w_up, u_b, hess.up)
+            s2[b] = hessian_sensitivity(w_down, d_b, hess.down)
             if routed:
-                err13[b] = (x @ (w_gate - g_b).T).pow(2).sum(1) + (x @ (w_up - u_b).T).pow(2).sum(1)
+                a_b = ref.act(x @ g_b.T) * (x @ u_b.T)
+                err13[b] = ((a_b - a) @ w_down.T).pow(2).sum(1)
                 err2[b] = (a @ (w_down - d_b).T).pow(2).sum(1)
         sens[(ref.layer, e, "w13")] = SensitivityTable(s13)
         sens[(ref.layer, e, "w2")] = SensitivityTable(s2)
@@ -248,7 +250,10 @@ def calibrate_model(model, tokenizer, blocks: APBlocks, text: str, options: Cali
     src = dict(source or {})
     src.update(num_tokens=int(sum(len(p) for p in prompts)), num_prompts=len(prompts),
                prompt_tokens=options.prompt_tokens, unrouted_experts={str(k): v for k, v in unrouted.items()},
-               residual_samples={k: len(v) for k, v in sorted(samples.items())})
+               residual_samples={k: len(v) for k, v in sorted(samples.items())},
+               # median of log(measured / predicted damage) per transition: ~0 when s^b predicts the measured
+               # expert-output error (both projections on one scale)
+               residual_target_median={k: float(np.median([t for _, t in v])) for k, v in sorted(samples.items())})
     return CalibrationData(
         ap=blocks.identity,
         num_layers=num_layers,

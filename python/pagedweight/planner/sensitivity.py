@@ -6,10 +6,18 @@ PagedWeight (eq. 2-4): for block i and bitwidth b
     g_i^{b->b'} = max(s_i^{b'} - s_i^b, 0)                       global damage of lowering b -> b'
     Delta_i^{b->b'} = M_i^b - M_i^{b'}                            bytes freed by lowering b -> b'
 
-`h_j = E[x_j^2]` is the second moment of input column j over the tokens routed to the block's expert,
-broadcast over the output rows n (the diagonal of the layer Hessian X^T X / T, as in GPTQ/OBQ).
-With that normalisation s^b is the expected squared output error per routed token, ignoring the
-cross terms of the full Hessian.
+`h` is a diagonal Hessian in **expert-output units** (both projections of a SwiGLU expert
+f(x) = W_down (act(W_gate x) * (W_up x)) on one scale), averaged over the tokens routed to the expert:
+
+    down (w2):   h_{nj} = E[a_j^2]                                  a = act(W_gate x) * (W_up x)
+    gate:        h_{nk} = c_n E[(act'(g_n) u_n)^2 x_k^2]           g = W_gate x, u = W_up x
+    up:          h_{nk} = c_n E[act(g_n)^2 x_k^2]                  c_n = ||W_down[:, n]||^2
+
+For the down projection this is the diagonal of X^T X / T of its input (GPTQ/OBQ). For gate and up the
+error of intermediate unit n is carried to the expert's output to first order (SiLU-gate Jacobian, then
+the full-precision down projection's column n), dropping cross terms between units, between input
+columns and between gate and up. s^b is then the expected squared error of the expert's output per
+routed token for every block, so w13 and w2 damages are comparable (docs/planner.md).
 """
 
 from __future__ import annotations
@@ -23,15 +31,56 @@ from pagedweight.format.layout import BlockSpec
 
 
 def hessian_sensitivity(w_ref: torch.Tensor, w_quant: torch.Tensor, h: torch.Tensor) -> float:
-    """s = sum_{n,j} h_j (W_nj - Wq_nj)^2 for W of shape [N, K] and h of shape [K]."""
+    """s = sum_{n,j} h_nj (W_nj - Wq_nj)^2 for W of shape [N, K] and h of shape [K] (broadcast over rows) or
+    [N, K] (one weight per element, e.g. `expert_output_hessians`)."""
     if w_ref.shape != w_quant.shape or w_ref.dim() != 2:
         raise ValueError(f"weights must be two matrices of one shape, got {tuple(w_ref.shape)} and {tuple(w_quant.shape)}")
-    if h.shape != (w_ref.shape[1],):
-        raise ValueError(f"h must have one entry per input column ({w_ref.shape[1]}), got shape {tuple(h.shape)}")
+    if h.shape not in ((w_ref.shape[1],), tuple(w_ref.shape)):
+        raise ValueError(f"h must have one entry per input column ({w_ref.shape[1]}) or per weight "
+                         f"{tuple(w_ref.shape)}, got shape {tuple(h.shape)}")
     if bool((h < 0).any()):
         raise ValueError("h holds second moments E[x_j^2] and cannot be negative")
-    err = (w_ref.double() - w_quant.double()).pow(2).sum(dim=0)  # [K]: sum over rows n
+    err = (w_ref.double() - w_quant.double()).pow(2)
     return float((err * h.double()).sum())
+
+
+def activation_derivative(act: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor) -> torch.Tensor:
+    """act'(z) elementwise by a float64 central difference (any smooth activation module or function)."""
+    z = z.double()
+    step = 1e-5 * z.abs().clamp(min=1.0)
+    return (act(z + step) - act(z - step)) / (2 * step)
+
+
+@dataclass(frozen=True)
+class ExpertHessians:
+    """Diagonal Hessians of one SwiGLU expert in expert-output units (module docstring)."""
+
+    gate: torch.Tensor  # [I, H]
+    up: torch.Tensor  # [I, H]
+    down: torch.Tensor  # [I]  (input columns of W_down, broadcast over its H rows)
+
+
+def expert_output_hessians(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                           act: Callable[[torch.Tensor], torch.Tensor]) -> ExpertHessians:
+    """h of gate, up and down for the routed inputs x [T, H] of an expert f(x) = W_down (act(W_gate x) * W_up x).
+
+    w_gate, w_up [I, H], w_down [H, I] (full precision). Means over the T tokens, float64.
+    """
+    if x.dim() != 2 or x.shape[0] == 0:
+        raise ValueError(f"x must be [T > 0, H], got {tuple(x.shape)}")
+    if w_gate.shape != w_up.shape or w_down.shape != (w_gate.shape[1], w_gate.shape[0]) or x.shape[1] != w_gate.shape[1]:
+        raise ValueError(f"shapes do not form an expert: x {tuple(x.shape)}, gate {tuple(w_gate.shape)}, "
+                         f"up {tuple(w_up.shape)}, down {tuple(w_down.shape)}")
+    x = x.double()
+    g, u = x @ w_gate.double().T, x @ w_up.double().T  # [T, I]
+    act_g = act(g)
+    col = w_down.double().pow(2).sum(dim=0)  # c_n = ||W_down[:, n]||^2, [I]
+    x2 = x.pow(2) / x.shape[0]
+    return ExpertHessians(
+        gate=col[:, None] * ((activation_derivative(act, g) * u).pow(2).T @ x2),
+        up=col[:, None] * (act_g.pow(2).T @ x2),
+        down=(act_g * u).pow(2).mean(dim=0),
+    )
 
 
 def sensitivity_by_bits(
