@@ -94,14 +94,35 @@ class LongBenchWorkload:
         return r
 
 
+def agreement_with_reference(runs: Path, system: str, reference: str, datasets: list[str]) -> Optional[dict[str, Any]]:
+    """How close a system's answers are to the reference system's (stock bf16) on the same samples: the
+    share of identical answers and the mean ROUGE-L F1 between them. With a small model the task scores sit
+    near their floor, so fidelity to bf16 is the sharper signal of what lower bitwidths cost."""
+    from pagedweight.longbench.metrics import rouge_score
+    from pagedweight.longbench.predictions import predictions_path, read_predictions
+
+    same, rouge, n = 0, 0.0, 0
+    for d in datasets:
+        ref = read_predictions(predictions_path(runs / f"{reference}-0", d))
+        mine = read_predictions(predictions_path(runs / f"{system}-0", d))
+        for sid, rec in mine.items():
+            if sid in ref:
+                n += 1
+                same += rec.pred.strip() == ref[sid].pred.strip()
+                rouge += rouge_score(rec.pred, ref[sid].pred) if rec.pred.strip() and ref[sid].pred.strip() else 0.0
+    if n == 0:
+        return None
+    return {"samples": n, "identical": round(same / n, 4), "rouge_l_vs_reference": round(rouge / n, 4)}
+
+
 def markdown(doc: dict[str, Any]) -> str:
     lines = [
         "# Long-context pressure: LongBench-format work at one GPU budget", "",
         f"Command: `{doc['command']}`", "",
         f"Machine: {doc['machine']}, {doc['date_utc']}. Budget: {doc['budget']}.", "",
         "| system | KV tokens start / max | retractions | answered | average score | "
-        + " | ".join(doc.get("datasets", [])) + " | TTFT mean / P99 (s) | output tok/s | mean bits at end |",
-        "|---|---|---|---|---|" + "---|" * len(doc.get("datasets", [])) + "---|---|---|",
+        + " | ".join(doc.get("datasets", [])) + " | identical to bf16 / ROUGE-L vs bf16 | TTFT mean / P99 (s) | output tok/s | mean bits at end |",
+        "|---|---|---|---|---|" + "---|" * len(doc.get("datasets", [])) + "---|---|---|---|",
     ]
     for r in doc["systems"]:
         rd = (r.get("rounds") or [{}])[0]
@@ -113,6 +134,7 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| {r['system']} | {start} / {r.get('kv_max_tokens', start)} | {r.get('retractions')} | "
             f"{rd.get('completed')}/{rd.get('samples')} | {rd.get('average')} | "
             + " | ".join(str(sc.get(d)) for d in doc.get("datasets", []))
+            + f" | {(r.get('agreement') or {}).get('identical')} / {(r.get('agreement') or {}).get('rouge_l_vs_reference')}"
             + f" | {rd.get('ttft_mean_s')} / {rd.get('ttft_p99_s')} | {rd.get('output_tok_per_s')} | {end_bits} |"
             + (f" error: {r['error']}" if r.get("error") else ""))
     return "\n".join(lines) + "\n"
@@ -179,6 +201,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         r = run_system(spec, common, workload, opts)
         r["gpu_budget"] = budget
         doc["systems"].append(r)
+        a.out.write_text(json.dumps(doc, indent=1))
+    if any(r["system"] == "static_bf16" and r.get("rounds") for r in doc["systems"]):
+        for r in doc["systems"]:
+            if r.get("rounds"):
+                r["agreement"] = agreement_with_reference(runs, r["system"], "static_bf16", datasets)
         a.out.write_text(json.dumps(doc, indent=1))
     a.out.with_suffix(".md").write_text(markdown(doc))
     print(markdown(doc))

@@ -121,7 +121,7 @@ def run_system(spec: SystemSpec, common: list[str], workload: Workload, opts: Ru
         print(f"[{spec.name}] FAILED: {result['error']}", flush=True)
     finally:
         if sampler is not None and "timeline" not in result:
-            result["timeline"] = sampler.stop()
+            result["timeline"] = sampler.stop(final_sample=srv.proc.poll() is None)
         alive = srv.proc.poll() is None
         srv.stop()
         lines = srv.log().splitlines()

@@ -105,8 +105,11 @@ class StateSampler:
             self.sample_now()
             self._stop.wait(self.interval_s)
 
-    def stop(self) -> list[dict[str, Any]]:
+    def stop(self, final_sample: bool = True) -> list[dict[str, Any]]:
+        """Stop polling; with `final_sample`, record the state at this moment as the last sample."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=60)
+        if final_sample:
+            self.sample_now()
         return [asdict(s) for s in self.samples]
