@@ -33,7 +33,7 @@ if [ "$stage" = serve ]; then
   curl -s -H 'Content-Type: application/json' localhost:30000/generate \
     -d '{"text":"hello world","sampling_params":{"max_new_tokens":16,"temperature":0}}' | tee "$OUT/generate.json"; echo
   grep "PagedWeight:" "$OUT/server.log" | tail -1
-  pkill -f sglang.launch_server; sleep 5
+  pkill -f "sglang[.]launch_server"; sleep 5
   # 2. bench_one_batch side by side: stock bf16 experts vs AP 4-bit experts (same dummy model, same run).
   bench=(--batch-size 1 4 16 64 --input-len 2048 --output-len 64 --cuda-graph-max-bs 64 --mem-fraction-static 0.8)
   timeout 200 python3 -m sglang.bench_one_batch "${common[@]}" "${bench[@]}" --result-filename "$OUT/obb_bf16.jsonl" \
@@ -50,7 +50,7 @@ if [ "$stage" = pressure ]; then
     --mem-fraction-static "${PRESSURE_MEM_FRACTION:-0.33}" --input-len 2048 --output-len 384 \
     --extra-server-args "--attention-backend triton --sampling-backend pytorch --cuda-graph-max-bs 128" \
     --out "$OUT/pressure.json" 2>&1 | tee "$OUT/pressure.log" | grep -v "^\[20" | tail -40
-  pkill -f sglang.launch_server; sleep 3
+  pkill -f "sglang[.]launch_server"; sleep 3
   tar czf "$OUT/pressure_logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
 fi
 if [ "$stage" = longbench ]; then
@@ -67,7 +67,7 @@ if [ "$stage" = longbench ]; then
     --concurrency 16 --max-prompt-tokens 7500 \
     --extra-server-args "--attention-backend triton --sampling-backend pytorch --cuda-graph-max-bs 32" \
     --out "$OUT/longbench.json" 2>&1 | tee "$OUT/longbench.log" | grep -v "^\[20" | tail -30
-  pkill -f sglang.launch_server; sleep 3
+  pkill -f "sglang[.]launch_server"; sleep 3
   tar czf "$OUT/longbench_logs.tgz" -C "$OUT" logs longbench_runs && rm -rf "$OUT/logs" "$OUT/longbench_runs"
 fi
 ls -la "$OUT"

@@ -126,6 +126,9 @@ class PlaneArena(abc.ABC):
     def _view(self, addr: int, nbytes: int) -> torch.Tensor:
         """A uint8 tensor over mapped memory [addr, addr + nbytes)."""
 
+    def _drain_fills(self) -> None:
+        """Wait until the poison fills enqueued so far have run (they are asynchronous on a GPU)."""
+
     @abc.abstractmethod
     def _close(self) -> None:
         """Unmap everything and free the address space."""
@@ -273,6 +276,10 @@ class PlaneArena(abc.ABC):
             end = min(start + cls.slot_bytes, cls.base + need * self.granularity)
             if end > start:
                 self._view(start, end - start).fill_(POISON_BYTE)
+        if self.poison and cls.mapped_granules > need:
+            # A fill enqueued at an earlier boundary (behind a forward still in flight) may target a granule
+            # about to be unmapped; it must run first. Poison mode is a debug mode: it may block here.
+            self._drain_fills()
         while cls.mapped_granules > need:
             cls.mapped_granules -= 1
             self._unmap(cls.base + cls.mapped_granules * self.granularity)
@@ -428,6 +435,10 @@ class CudaVmmPlaneArena(PlaneArena):
 
     def _view(self, addr: int, nbytes: int) -> torch.Tensor:
         return self._wrap(addr, nbytes)
+
+    def _drain_fills(self) -> None:
+        if self._real_driver:
+            torch.cuda.current_stream(self.device_id).synchronize()
 
     @property
     def physical_granules(self) -> int:
