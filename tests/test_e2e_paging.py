@@ -136,3 +136,44 @@ def test_quality_policy_with_calibration_serves_a_burst(ap_qwen2_moe, tiny_qwen2
         assert "quality offload" in srv.log() and "routing observer" in srv.log()
     finally:
         srv.stop()
+
+
+def _two_long_prompts(url: str) -> list[int]:
+    """Two requests whose prompts do not fit in the KV cache together (700 slots, 520 tokens each)."""
+    prompts = [[10 + (7 * i + 3 * j) % 480 for j in range(500)] for i in range(2)]
+
+    def one(ids):
+        r = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": {
+            "max_new_tokens": 20, "temperature": 0, "ignore_eos": True}}, timeout=600)
+        r.raise_for_status()
+        return r.json()["meta_info"]["completion_tokens"]
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return list(pool.map(one, prompts))
+
+
+@pytest.mark.parametrize("queue_aware", [True, False])
+def test_a_waiting_long_prompt_is_pressure(queue_aware, ap_qwen2_moe, server_env, cpu_server_flags, work_dir):
+    """Free KV stays above the low watermark while a long prompt waits for room (SGLang admits it only when it
+    fits): with queue awareness its unmet demand makes the experts give memory back and the KV cache grows;
+    without it nothing moves (the control)."""
+    flags = list(cpu_server_flags)
+    flags[flags.index("--max-total-tokens") + 1] = "700"
+    flag = "--paged-weight-queue-aware" if queue_aware else "--no-paged-weight-queue-aware"
+    srv = launch_server(ap_qwen2_moe, ["--enable-paged-weight", "--paged-weight-bits", "8", "--paged-weight-policy",
+                                       "scripted", flag] + flags, server_env,
+                        work_dir / f"server-queue-{queue_aware}.log")
+    try:
+        wait_healthy(srv)
+        start = _state(srv.url)
+        assert start["kv"]["queue_aware"] is queue_aware
+        assert _two_long_prompts(srv.url) == [20, 20]
+        st = _state(srv.url)
+        if queue_aware:
+            assert st["counters"]["offloads_committed"] > 0
+            assert st["elastic_kv"]["counters"]["grows"] > 0, st["elastic_kv"]
+        else:
+            assert st["counters"]["offloads_committed"] == 0
+            assert st["elastic_kv"]["capacity_tokens"] == start["elastic_kv"]["capacity_tokens"]
+    finally:
+        srv.stop()

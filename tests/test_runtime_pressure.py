@@ -35,3 +35,15 @@ def test_bad_parameters_are_rejected() -> None:
         KVPressureSignal(threshold_blocks=8, bytes_per_block=0, relax_blocks=9)
     with pytest.raises(ValueError, match=">= 0"):
         KVPressureSignal(threshold_blocks=1, bytes_per_block=1, relax_blocks=2).update(-1)
+
+
+def test_waiting_demand_counts_as_used_blocks():
+    sig = KVPressureSignal(threshold_blocks=10, bytes_per_block=100, relax_blocks=50, relax_checks=1)
+    r = sig.update(40, 0)  # 40 free: no pressure
+    assert r.target_bytes == 0
+    r = sig.update(40, 0, waiting_blocks=35)  # a waiting request lacks 35 blocks: 5 effectively free
+    assert r.target_bytes == (10 + 1 - 5) * 100 and r.free_blocks == 5 and not r.relax
+    r = sig.update(40, 2, waiting_blocks=60)  # free goes negative: the target covers the whole shortfall
+    assert r.target_bytes == (10 + 1 + 18) * 100 and r.free_blocks == 0
+    r = sig.update(120, 0, waiting_blocks=60)  # 60 effectively free: relax only counts what the queue leaves
+    assert r.relax and r.relax_bytes == (60 - 50) * 100

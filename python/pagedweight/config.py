@@ -36,6 +36,8 @@ class PagedWeightConfig:
     # high * capacity (hysteresis).
     kv_low_watermark: float = 0.05
     kv_high_watermark: float = 0.25
+    # Count the first waiting request's unmet KV demand as pressure (off: free blocks only).
+    queue_aware: bool = True
     # Back-pressure on host->device plane copies in flight.
     max_inflight_mib: int = 256
     # Hash every AP file against the manifest before serving (off: only sizes and headers are checked).
@@ -92,6 +94,7 @@ _KWARG_TO_FIELD = {
     "paged_weight_min_bits": "floor_bits",
     "paged_weight_kv_low_watermark": "kv_low_watermark",
     "paged_weight_kv_high_watermark": "kv_high_watermark",
+    "paged_weight_queue_aware": "queue_aware",
     "paged_weight_max_inflight_mib": "max_inflight_mib",
     "paged_weight_debug_poison": "debug_poison",
     "paged_weight_verify": "verify",
@@ -141,6 +144,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.25,
         help="Reload planes once free KV blocks stay above this fraction of the KV capacity.",
+    )
+    group.add_argument(
+        "--paged-weight-queue-aware",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Count the KV blocks the first waiting request lacks as pressure, so long prompts that do not fit "
+        "make the experts give memory back (--no-paged-weight-queue-aware: free blocks only).",
     )
     group.add_argument(
         "--paged-weight-max-inflight-mib",

@@ -71,6 +71,8 @@ class PagedWeightScheduler:
     forward_stream: Any = None
     metrics: Any = None  # PagedWeightMetrics when --enable-metrics
     tp_sync: Optional[StepInputBroadcast] = None  # TP > 1: rank 0's inputs for every rank
+    queue_aware: bool = True  # the first waiting request's KV demand counts as pressure
+    waiting_blocks: int = 0  # that demand at the last step (blocks it lacked)
     iteration: int = 0
     started_s: float = field(default_factory=time.monotonic)
     _routing: dict = field(default_factory=dict)
@@ -114,19 +116,23 @@ class PagedWeightScheduler:
         tp_group = getattr(scheduler, "tp_group", None)
         if tp_group is not None and tp_group.world_size > 1:
             tp_sync = StepInputBroadcast(tp_group.cpu_group, tp_group.first_rank, tp_group.rank_in_group == 0)
-        return cls(runtime, controller, page, capacity_blocks, stream, metrics, tp_sync)
+        return cls(runtime, controller, page, capacity_blocks, stream, metrics, tp_sync, queue_aware=cfg.queue_aware)
 
     def step(self, scheduler: Any) -> None:
         self.iteration += 1
         allocator = scheduler.token_to_kv_pool_allocator
+        available = allocator.available_size() // self.page_size
+        evictable = scheduler.tree_cache.evictable_size() // self.page_size
         inputs = StepInputs(
-            available_blocks=allocator.available_size() // self.page_size,
-            evictable_blocks=scheduler.tree_cache.evictable_size() // self.page_size,
+            available_blocks=available,
+            evictable_blocks=evictable,
             now_s=time.monotonic() - self.started_s,
             routing=self._fresh_routing(),
+            waiting_blocks=self._waiting_blocks(scheduler, available + evictable),
         )
         if self.tp_sync is not None:
             inputs = self.tp_sync(inputs)
+        self.waiting_blocks = inputs.waiting_blocks
         if inputs.routing is not None:
             self._routing = dict(inputs.routing)
         obs = Observation(iteration=self.iteration, now_s=inputs.now_s, routing_counts=self._routing)
@@ -135,9 +141,28 @@ class PagedWeightScheduler:
             refresh(self.runtime.table, obs)  # the quality policy re-ranks its plan queue on new traffic
         ctx = torch.cuda.stream(self.forward_stream) if self.forward_stream is not None else nullcontext()
         with ctx:
-            self.controller.step(inputs.available_blocks, inputs.evictable_blocks, obs)
+            # A request that waits for KV counts as pressure: the blocks it lacks count as used.
+            self.controller.step(inputs.available_blocks, inputs.evictable_blocks, obs, waiting_blocks=inputs.waiting_blocks)
         if self.metrics is not None:
             self.metrics.update(self, scheduler.max_total_num_tokens)
+
+    def _waiting_blocks(self, scheduler: Any, free_blocks: int) -> int:
+        """Blocks the first waiting request lacks (0 if it fits, nothing waits, or it could never fit).
+
+        The pressure signal counts free blocks; on long-context work that is not enough: SGLang admits a long
+        prompt only when it fits, so the cache can keep more free blocks than the low watermark while long
+        requests queue. Counting the head-of-line request's demand lets the weights make room for it."""
+        if not self.queue_aware:
+            return 0
+        demand = head_of_line_demand_tokens(scheduler)
+        if demand <= 0:
+            return 0
+        kv = self.controller.kv
+        reachable = kv.max_tokens if kv is not None else scheduler.max_total_num_tokens
+        if demand > reachable:
+            return 0  # no bitwidth plan makes this request fit; SGLang will reject or wait as usual
+        need = -(-demand // self.page_size)
+        return max(0, need - free_blocks)
 
     def _fresh_routing(self) -> Optional[dict]:
         """New routing statistics when due (on the source rank only under TP), else None (unchanged)."""
@@ -162,6 +187,8 @@ class PagedWeightScheduler:
                 "offload_below_blocks": sig.threshold_blocks,
                 "reload_above_blocks": sig.relax_blocks,
                 "bytes_per_block": sig.bytes_per_block,
+                "waiting_blocks": self.waiting_blocks,
+                "queue_aware": self.queue_aware,
                 "offload_signals": sig.offload_signals,
                 "relax_signals": sig.relax_signals,
             },
@@ -177,6 +204,26 @@ def _gpu_memory(stream: Any) -> Optional[dict]:
         return None
     free, total = torch.cuda.mem_get_info(stream.device)
     return {"free_bytes": int(free), "total_bytes": int(total)}
+
+
+# SGLang clips max_new_tokens at this many when it estimates a request's KV need at admission
+# (SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION); the same clip keeps one huge request from draining the weights.
+CLIP_MAX_NEW_TOKENS = 4096
+
+
+def head_of_line_demand_tokens(scheduler: Any) -> int:
+    """KV tokens the first waiting request needs to be admitted: its prompt plus its expected output
+    (max_new_tokens, clipped, times SGLang's current new-token ratio), as SGLang's admission estimates it."""
+    queue = getattr(scheduler, "waiting_queue", None)
+    if not queue:
+        return 0
+    req = queue[0]
+    prompt = len(getattr(req, "origin_input_ids", None) or [])
+    params = getattr(req, "sampling_params", None)
+    max_new = int(getattr(params, "max_new_tokens", None) or 0)
+    tracker = getattr(scheduler, "new_token_ratio_tracker", None)
+    ratio = float(getattr(tracker, "current", 1.0)) if tracker is not None else 1.0
+    return prompt + math.ceil(min(max_new, CLIP_MAX_NEW_TOKENS) * ratio)
 
 
 def _kv_bytes_per_token(kv_cache: Any) -> int:

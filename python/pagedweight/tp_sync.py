@@ -22,6 +22,8 @@ class StepInputs:
     now_s: float
     # (layer, expert) -> routing mass; None when unchanged since the last broadcast (saves bandwidth).
     routing: Optional[Mapping[tuple[int, int], float]]
+    # KV blocks the first waiting request needs beyond what is free now (0 when it fits or nothing waits).
+    waiting_blocks: int = 0
 
 
 class StepInputBroadcast:

@@ -56,8 +56,14 @@ class PagingController:
         self.kv = kv
         self.reload_headroom_bytes = reload_headroom_bytes
 
-    def step(self, available_blocks: int, evictable_blocks: int = 0, observation: Optional[Observation] = None) -> StepReport:
-        reading = self.signal.update(available_blocks, evictable_blocks)
+    def step(
+        self,
+        available_blocks: int,
+        evictable_blocks: int = 0,
+        observation: Optional[Observation] = None,
+        waiting_blocks: int = 0,
+    ) -> StepReport:
+        reading = self.signal.update(available_blocks, evictable_blocks, waiting_blocks)
         obs = dataclasses.replace(
             observation or Observation(), kv_free_blocks=reading.free_blocks, kv_pressure_bytes=reading.target_bytes
         )

@@ -47,11 +47,15 @@ class KVPressureSignal:
         self.offload_signals = 0
         self.relax_signals = 0
 
-    def update(self, available_blocks: int, evictable_blocks: int = 0) -> PressureReading:
-        if available_blocks < 0 or evictable_blocks < 0:
-            raise ValueError(f"free block counts must be >= 0, got {available_blocks} + {evictable_blocks}")
+    def update(self, available_blocks: int, evictable_blocks: int = 0, waiting_blocks: int = 0) -> PressureReading:
+        """`waiting_blocks`: KV blocks a waiting request lacks (queue-aware pressure); they count as used, so
+        free may go negative and the target grows by them."""
+        if available_blocks < 0 or evictable_blocks < 0 or waiting_blocks < 0:
+            raise ValueError(
+                f"block counts must be >= 0, got {available_blocks} + {evictable_blocks} free, {waiting_blocks} waiting"
+            )
         self.checks += 1
-        free = available_blocks + evictable_blocks
+        free = available_blocks + evictable_blocks - waiting_blocks
         target = max(0, self.threshold_blocks + 1 - free) * self.bytes_per_block
         if target:
             self.offload_signals += 1
@@ -61,4 +65,4 @@ class KVPressureSignal:
             self._streak = 0
             self.relax_signals += 1
         relax_bytes = (free - self.relax_blocks) * self.bytes_per_block if relax else 0
-        return PressureReading(free, target, relax, relax_bytes)
+        return PressureReading(max(free, 0), target, relax, relax_bytes)
