@@ -46,8 +46,11 @@ if [ "$stage" = pressure ]; then
   python3 benchmark/dummy_model.py --model qwen15moe --out $model >/dev/null
   # f = 0.33 leaves stock bf16 ~100k KV tokens on a 141 GB H200 (weights 28.6 GB); PagedWeight at 8 bits gets
   # ~50k more from the smaller experts and can reach ~40k beyond that by lowering bits to 3.
+  # Long outputs (PRESSURE_INPUT_LEN=512 PRESSURE_OUTPUT_LEN=2048) make stock SGLang over-admit and retract:
+  # it reserves 0.7 x max_new_tokens per request at admission.
   timeout "${PRESSURE_TIMEOUT:-480}" python3 benchmark/pressure_bench.py --model-path $model --load-format dummy \
-    --mem-fraction-static "${PRESSURE_MEM_FRACTION:-0.33}" --input-len 2048 --output-len 384 \
+    --mem-fraction-static "${PRESSURE_MEM_FRACTION:-0.33}" --input-len "${PRESSURE_INPUT_LEN:-2048}" \
+    --output-len "${PRESSURE_OUTPUT_LEN:-384}" --paged-weight-min-bits "${PRESSURE_MIN_BITS:-3}" \
     --extra-server-args "--attention-backend triton --sampling-backend pytorch --cuda-graph-max-bs 128" \
     --out "$OUT/pressure.json" 2>&1 | tee "$OUT/pressure.log" | grep -v "^\[20" | tail -40
   pkill -f "sglang[.]launch_server"; sleep 3
