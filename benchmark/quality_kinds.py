@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "quality_kinds.json")
+    p.add_argument("--reuse-measured", type=Path, default=None,
+                   help="an earlier output of this script on the same text: its measured KL/ppl are taken "
+                        "instead of measuring the same group again (predictions are always recomputed)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     cache = args.cache_dir.expanduser()
@@ -88,13 +91,21 @@ def main(argv: list[str] | None = None) -> int:
         half = num_layers // 2
         groups += [(f"layers 0-{half - 1}", args.layer_bits, lambda k: k.layer < half),
                    (f"layers {half}-{num_layers - 1}", args.layer_bits, lambda k: k.layer >= half)]
+    text = f"wiki calibration split, windows {skip}..{skip + args.windows - 1} of {args.seq_len} tokens"
+    earlier = {}
+    if args.reuse_measured is not None:
+        old = json.loads(args.reuse_measured.read_text())
+        if old["text"] == text:
+            earlier = {(r["group"], r["bits"]): r for r in old["rows"]}
     rows = []
     for name, bits, member in groups:
         keys = [k for k, _ in blocks if member(k)]
         freed = sum(spec.bytes_at(top) - spec.bytes_at(bits) for k, spec in blocks if member(k))
         started = time.perf_counter()
-        bank.apply({k: bits for k in keys})
-        r = evaluate(model, ids, ref, progress=False)
+        r = earlier.get((name, bits))
+        if r is None:
+            bank.apply({k: bits for k in keys})
+            r = evaluate(model, ids, ref, progress=False)
         row = {"group": name, "bits": bits, "kl": r["kl"], "ppl": r["ppl"], "freed_bytes": freed,
                "predicted_damage": {str(c): predicted_damage(c, keys, bits) for c in args.calibration}}
         rows.append(row)
@@ -113,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios.append(ratio)
         print(json.dumps(ratio))
     out = {"command": "python benchmark/quality_kinds.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "text": f"wiki calibration split, windows {skip}..{skip + args.windows - 1} of {args.seq_len} tokens",
+           "text": text,
            "rows": rows, "ratios": ratios}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")

@@ -101,6 +101,17 @@ def test_expert_output_hessians_hand_case():
     assert h.down.tolist() == pytest.approx([45.0, 32.0])
     with pytest.raises(ValueError, match="do not form an expert"):
         expert_output_hessians(x, w_gate, w_up, w_down.T[:1], lambda z: z)
+    # loss-weighted: F [T, H] weights token t's output dimension m; c_tn = F_t . W_down[:, n]^2
+    f = torch.tensor([[1.0, 0.0], [0.0, 2.0]])  # c = [[1, 4], [0, 2]]
+    h = expert_output_hessians(x, w_gate, w_up, w_down, lambda z: z, out_weight=f)
+    # gate: mean_t c_tn u_tn^2 x_tk^2 -> t0 gives n=0 (9, 36), n=1 4*16*(1, 4); t1 gives 0 (c=0 or u=0)
+    assert h.gate.flatten().tolist() == pytest.approx([4.5, 18.0, 32.0, 128.0])
+    # up: mean_t c_tn g_tn^2 x_tk^2 -> t0 gives n=0 (1, 4), n=1 4*4*(1, 4); t1 gives 0
+    assert h.up.flatten().tolist() == pytest.approx([0.5, 2.0, 8.0, 32.0])
+    # down [H, I]: mean_t F_tm a_tj^2 -> m=0: t0 (9, 64) / 2; m=1: t1 2*(81, 0) / 2
+    assert h.down.flatten().tolist() == pytest.approx([4.5, 32.0, 81.0, 0.0])
+    with pytest.raises(ValueError, match="out_weight"):
+        expert_output_hessians(x, w_gate, w_up, w_down, lambda z: z, out_weight=-f)
 
 
 def test_activation_derivative_matches_silu_closed_form():
@@ -109,24 +120,26 @@ def test_activation_derivative_matches_silu_closed_form():
     assert torch.allclose(activation_derivative(torch.nn.functional.silu, z), sig * (1 + z * (1 - sig)), atol=1e-8)
 
 
+@pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("proj", ["gate", "up", "down"])
-def test_expert_output_sensitivity_is_the_output_error_of_one_weight(proj):
-    """One perturbed weight has no cross terms: s must equal the measured mean squared change of the
-    expert's output (first order), for gate, up and down alike, i.e. every projection on one scale."""
+def test_expert_output_sensitivity_is_the_output_error_of_one_weight(proj, weighted):
+    """One perturbed weight has no cross terms: s must equal the measured mean (loss-weighted) squared change
+    of the expert's output (first order), for gate, up and down alike, i.e. every projection on one scale."""
     torch.manual_seed(0)
     x = torch.randn(64, 6, dtype=torch.float64)
     w = {"gate": torch.randn(4, 6, dtype=torch.float64), "up": torch.randn(4, 6, dtype=torch.float64),
          "down": torch.randn(6, 4, dtype=torch.float64) * 3}
+    f = torch.rand(64, 6, dtype=torch.float64) ** 2 if weighted else torch.ones(64, 6, dtype=torch.float64)
     act = torch.nn.functional.silu
 
     def out(ws):
         return (act(x @ ws["gate"].T) * (x @ ws["up"].T)) @ ws["down"].T
 
-    h = expert_output_hessians(x, w["gate"], w["up"], w["down"], act)
+    h = expert_output_hessians(x, w["gate"], w["up"], w["down"], act, f if weighted else None)
     wq = dict(w)
     wq[proj] = w[proj].clone()
     wq[proj][1, 2] += 1e-4
-    measured = float((out(wq) - out(w)).pow(2).sum(1).mean())
+    measured = float((f * (out(wq) - out(w)).pow(2)).sum(1).mean())
     predicted = hessian_sensitivity(w[proj], wq[proj], getattr(h, proj))
     assert predicted == pytest.approx(measured, rel=1e-3)
 
@@ -307,8 +320,11 @@ def test_calibration_roundtrip_and_validation(tmp_path):
     raw["version"] = 1  # w13 sensitivities in gate/up units: refused with the reason and the fix
     with pytest.raises(CalibrationError, match=r"version 1 is not supported.*gate/up output units.*re-run `pagedweight calibrate`"):
         CalibrationData.from_json(raw)
+    raw["version"] = 2  # unweighted expert-output errors: layers on different scales
+    with pytest.raises(CalibrationError, match=r"version 2 is not supported.*grow ~100x with depth.*re-run `pagedweight calibrate`"):
+        CalibrationData.from_json(raw)
     raw = json.loads(path.read_text())
-    raw["sensitivity_units"] = "gate_up_output"
+    raw["sensitivity_units"] = "expert_output"
     with pytest.raises(CalibrationError, match="sensitivity_units"):
         CalibrationData.from_json(raw)
     raw = json.loads(path.read_text())

@@ -3,13 +3,13 @@
 Versioned JSON, validated on load: every problem is reported with the field that is wrong and the fix
 (re-run the calibration for this checkpoint). Contents:
 
-    format, version          "pagedweight-calibration", 2 (version 1 stored w13 sensitivities in gate/up
-                             output units, not comparable with w2's; such files are refused)
+    format, version          "pagedweight-calibration", 3 (older versions are refused: 1 stored w13 in gate/up
+                             output units, 2 stored unweighted expert-output errors; see _OLD_VERSIONS)
     ap                       table_kind, bits_min, bits_max, config_sha256 of the AP checkpoint it was made for
     source                   calibration text, tokens, prompts
     num_layers, num_experts  shape of the per-expert arrays (rows = decoder layer index)
     sensitivity              [{layer, expert, proj, s: {bits: s^b}}] per runtime block (w13 = gate + up, w2 = down),
-                             expected squared error of the expert's output per routed token (SENSITIVITY_UNITS)
+                             loss-weighted squared error of the expert's output per routed token (SENSITIVITY_UNITS)
     routing.mass             [L][E] routing mass m_{l,e} over the calibration text (eq. 1)
     buckets                  hot/cold thresholds on m*E, mu per bucket, bitwidth-floor stages
     prompt_residual          ref_norm [L][E][3] and heads {"proj:b->b'": {w, a, confidence, rho_min, rho_max}}
@@ -32,12 +32,15 @@ from pagedweight.planner.routing_stats import BucketConfig
 from pagedweight.planner.sensitivity import SensitivityTable
 
 CALIBRATION_FORMAT = "pagedweight-calibration"
-CALIBRATION_VERSION = 2
-SENSITIVITY_UNITS = "expert_output"  # s^b of every projection is measured at the expert's output (docs/planner.md)
+CALIBRATION_VERSION = 3
+# s^b of every projection: the expert's output error weighted by the loss's output Fisher (docs/planner.md)
+SENSITIVITY_UNITS = "loss_weighted_expert_output"
 # Why an older version is refused (each names the fix: re-run `pagedweight calibrate`).
 _OLD_VERSIONS = {
     1: "its w13 sensitivities are in gate/up output units while w2's are in expert-output units, so the planner "
        "would rank the two projections on different scales",
+    2: "its sensitivities are unweighted expert-output errors, which grow ~100x with depth while the loss they "
+       "cause does not, so the planner would rank layers on different scales",
 }
 CALIBRATION_FILENAME = "calibration.json"
 PROJS: tuple[str, ...] = ("w13", "w2")  # runtime block projections: gate||up, down

@@ -26,7 +26,7 @@ import torch
 
 from pagedweight.format.layout import BlockSpec
 from pagedweight.planner.calibration import APIdentity, CalibrationData
-from pagedweight.planner.moe_capture import MoELayerRef, RoutedCapture, find_moe_layers
+from pagedweight.planner.moe_capture import MoELayerRef, OutputGradCapture, RoutedCapture, find_moe_layers
 from pagedweight.planner.prompt_residual import (
     NUM_FEATURES,
     PromptResidualModel,
@@ -97,6 +97,12 @@ def prompts_from_text(text: str, tokenizer, options: CalibrateOptions) -> list[l
 
 
 # ---- one MoE layer ----------------------------------------------------------------------------------
+def _weighted_sq(err: torch.Tensor, f: torch.Tensor | None) -> torch.Tensor:
+    """Per-token sum_m f_tm err_tm^2 (f None: plain squared norm)."""
+    sq = err.double().pow(2)
+    return (sq if f is None else sq * f).sum(1)
+
+
 @dataclass
 class LayerStats:
     sensitivity: dict[tuple[int, int, str], SensitivityTable]
@@ -130,7 +136,10 @@ def layer_statistics(
     num_prompts: int,
     blocks: APBlocks,
     options: CalibrateOptions,
+    out_grad: torch.Tensor | None = None,
 ) -> LayerStats:
+    """Per-block statistics of one MoE layer. `out_grad` [T, H]: d(loss)/d(layer's routed output) per token;
+    given, every error is weighted by F_tm = r_t^2 out_grad_tm^2 (loss units, docs/planner.md)."""
     ident = blocks.identity
     bitwidths = list(range(ident.bits_min, ident.bits_max + 1))
     num_experts = ref.num_experts
@@ -147,11 +156,18 @@ def layer_statistics(
             # Never routed during calibration: take the layer's whole input distribution as its best prior
             # for h (so its sensitivity is not zero), and no residual samples.
             unrouted.append(e)
+            tok = torch.arange(hidden.shape[0])
             x, r, p = hidden, torch.ones(hidden.shape[0]), prompt
+        # loss weight of each token's output error: the expert's output enters y with its routing weight
+        # (an unrouted expert: the layer's mean routing weight)
+        f = None
+        if out_grad is not None:
+            r_out = r if routed else torch.full_like(r, float(topk_weights.mean()))
+            f = r_out[:, None].double().pow(2) * out_grad[tok].double().pow(2)
         w_gate, w_up = ref.gate_up(e)
         w_down = ref.down(e)
         a = ref.act(x @ w_gate.T) * (x @ w_up.T)
-        hess = expert_output_hessians(x, w_gate, w_up, w_down, ref.act)
+        hess = expert_output_hessians(x, w_gate, w_up, w_down, ref.act, f)
         names = {pj: blocks.block_name(ref.layer, e, pj) for pj in ("gate", "up", "down")}
         for pj, w in (("gate", w_gate), ("up", w_up), ("down", w_down)):
             spec = blocks.spec(names[pj])
@@ -166,8 +182,8 @@ def layer_statistics(
             s2[b] = hessian_sensitivity(w_down, d_b, hess.down)
             if routed:
                 a_b = ref.act(x @ g_b.T) * (x @ u_b.T)
-                err13[b] = ((a_b - a) @ w_down.T).pow(2).sum(1)
-                err2[b] = (a @ (w_down - d_b).T).pow(2).sum(1)
+                err13[b] = _weighted_sq(((a_b - a) @ w_down.T), f)
+                err2[b] = _weighted_sq((a @ (w_down - d_b).T), f)
         sens[(ref.layer, e, "w13")] = SensitivityTable(s13)
         sens[(ref.layer, e, "w2")] = SensitivityTable(s2)
         if not routed:
@@ -204,12 +220,16 @@ def calibrate_model(model, tokenizer, blocks: APBlocks, text: str, options: Cali
         raise ValueError("MoE layers with different expert counts are not supported by calibration")
     prompts = prompts_from_text(text, tokenizer, options)
     model.eval()
-    # The decoder alone produces every MoE input; skipping the LM head saves its vocab-sized matmul.
-    decoder = getattr(model, "model", model)
-    with RoutedCapture(layers) as cap, torch.inference_mode():
-        for i, ids in enumerate(tqdm(prompts, desc="calibrate: forward", disable=not progress)):
+    # Forward + backward of the next-token loss (sum over the prompt) per prompt: the routed inputs of every
+    # MoE layer and d(loss)/d(its routed output), which weights the output errors (loss units).
+    with RoutedCapture(layers) as cap, OutputGradCapture(model, layers) as grads, torch.enable_grad():
+        for i, ids in enumerate(tqdm(prompts, desc="calibrate: forward + backward", disable=not progress)):
             cap.prompt_index = i
-            decoder(input_ids=torch.tensor([ids]), use_cache=False)
+            x = torch.tensor([ids])
+            logits = model(input_ids=x, use_cache=False).logits
+            torch.nn.functional.cross_entropy(logits[0, :-1].float(), x[0, 1:], reduction="sum").backward()
+            for layer, g in grads.grads().items():
+                cap.captured[layer].out_grad.append(g)
     masses = np.full((num_layers, num_experts), 1.0 / num_experts)
     ref_norm = np.full((num_layers, num_experts, NUM_FEATURES), np.nan)
     sensitivity: dict = {}
@@ -218,7 +238,11 @@ def calibrate_model(model, tokenizer, blocks: APBlocks, text: str, options: Cali
     with torch.inference_mode():
         for ref in tqdm(layers, desc="calibrate: sensitivity + residual", disable=not progress):
             hidden, ids, weights, prompt = cap.captured[ref.layer].cat()
-            st = layer_statistics(ref, hidden, ids, weights, prompt, len(prompts), blocks, options)
+            out_grad = cap.captured[ref.layer].out_grad_cat()
+            if out_grad is None or out_grad.shape != hidden.shape:
+                raise RuntimeError(f"layer {ref.layer}: no output gradient per routed input (got "
+                                   f"{None if out_grad is None else tuple(out_grad.shape)}, inputs {tuple(hidden.shape)})")
+            st = layer_statistics(ref, hidden, ids, weights, prompt, len(prompts), blocks, options, out_grad)
             sensitivity.update(st.sensitivity)
             total = st.weight_sums.sum()
             if total > 0:

@@ -75,9 +75,13 @@ class LayerCapture:
     topk_ids: list[torch.Tensor] = field(default_factory=list)  # [T, k]
     topk_weights: list[torch.Tensor] = field(default_factory=list)  # [T, k]
     prompt: list[torch.Tensor] = field(default_factory=list)  # [T] prompt index of each token
+    out_grad: list[torch.Tensor] = field(default_factory=list)  # [T, H] d(loss)/d(experts output), if captured
 
     def cat(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return (torch.cat(self.hidden), torch.cat(self.topk_ids), torch.cat(self.topk_weights), torch.cat(self.prompt))
+
+    def out_grad_cat(self) -> torch.Tensor | None:
+        return torch.cat(self.out_grad) if self.out_grad else None
 
 
 def routed_call_args(layer: int, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,3 +124,51 @@ class RoutedCapture:
             return None
 
         return hook
+
+
+class OutputGradCapture:
+    """Context manager: the gradient of a loss with respect to every experts module's output (the routed MoE
+    output y_l = sum_k r_k f_k(x), [T, H]). Parameters are frozen inside it and the embedding output is made
+    to require grad, so backward runs through the activations only; `grads()` after `loss.backward()`."""
+
+    def __init__(self, model: nn.Module, layers: list[MoELayerRef]) -> None:
+        self.model, self.layers = model, layers
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._handles: list = []
+        self._requires_grad: list[tuple[nn.Parameter, bool]] = []
+
+    def __enter__(self) -> OutputGradCapture:
+        self._requires_grad = [(p, p.requires_grad) for p in self.model.parameters()]
+        for p, _ in self._requires_grad:
+            p.requires_grad_(False)
+        embed = self.model.get_input_embeddings()
+        self._handles.append(embed.register_forward_hook(lambda mod, args, out: out.requires_grad_(True)))
+        for ref in self.layers:
+            self._handles.append(ref.module.register_forward_hook(self._hook(ref.layer)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for p, flag in self._requires_grad:
+            p.requires_grad_(flag)
+        self._outputs.clear()
+
+    def _hook(self, layer: int):
+        def hook(module, args, output):
+            if output.requires_grad:
+                output.retain_grad()
+            self._outputs[layer] = output
+            return None
+
+        return hook
+
+    def grads(self) -> dict[int, torch.Tensor]:
+        """[T, H] float32 per layer, for the last forward + backward (zeros where no gradient reached)."""
+        out = {}
+        for layer, y in self._outputs.items():
+            g = y.grad if y.grad is not None else torch.zeros_like(y)
+            out[layer] = g.detach().reshape(-1, g.shape[-1]).float().cpu()
+        self._outputs.clear()
+        return out

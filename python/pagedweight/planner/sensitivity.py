@@ -57,29 +57,43 @@ class ExpertHessians:
 
     gate: torch.Tensor  # [I, H]
     up: torch.Tensor  # [I, H]
-    down: torch.Tensor  # [I]  (input columns of W_down, broadcast over its H rows)
+    down: torch.Tensor  # [I] (input columns of W_down, broadcast over its H rows) or [H, I] (loss-weighted)
 
 
 def expert_output_hessians(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                           act: Callable[[torch.Tensor], torch.Tensor]) -> ExpertHessians:
+                           act: Callable[[torch.Tensor], torch.Tensor],
+                           out_weight: torch.Tensor | None = None) -> ExpertHessians:
     """h of gate, up and down for the routed inputs x [T, H] of an expert f(x) = W_down (act(W_gate x) * W_up x).
 
-    w_gate, w_up [I, H], w_down [H, I] (full precision). Means over the T tokens, float64.
+    w_gate, w_up [I, H], w_down [H, I] (full precision). Means over the T tokens, float64. `out_weight`
+    [T, H] >= 0 weights each token's squared output error per output dimension m (the loss weighting
+    F_tm = r_t^2 (dL/dy_tm)^2, docs/planner.md); None = 1 (plain expert-output error). With it, c_n becomes
+    per token, c_tn = sum_m F_tm W_down[m, n]^2, and down's h is [H, I]: h_mj = E[F_tm a_j^2].
     """
     if x.dim() != 2 or x.shape[0] == 0:
         raise ValueError(f"x must be [T > 0, H], got {tuple(x.shape)}")
     if w_gate.shape != w_up.shape or w_down.shape != (w_gate.shape[1], w_gate.shape[0]) or x.shape[1] != w_gate.shape[1]:
         raise ValueError(f"shapes do not form an expert: x {tuple(x.shape)}, gate {tuple(w_gate.shape)}, "
                          f"up {tuple(w_up.shape)}, down {tuple(w_down.shape)}")
+    if out_weight is not None and (out_weight.shape != (x.shape[0], w_down.shape[0]) or bool((out_weight < 0).any())):
+        raise ValueError(f"out_weight must be [T, H] = {(x.shape[0], w_down.shape[0])} and >= 0, got "
+                         f"{tuple(out_weight.shape)}")
     x = x.double()
     g, u = x @ w_gate.double().T, x @ w_up.double().T  # [T, I]
     act_g = act(g)
-    col = w_down.double().pow(2).sum(dim=0)  # c_n = ||W_down[:, n]||^2, [I]
+    a2 = (act_g * u).pow(2)
     x2 = x.pow(2) / x.shape[0]
+    if out_weight is None:
+        c = w_down.double().pow(2).sum(dim=0).expand_as(g)  # c_n = ||W_down[:, n]||^2 for every token
+        down = a2.mean(dim=0)  # [I], broadcast over down's rows
+    else:
+        f = out_weight.double()
+        c = f @ w_down.double().pow(2)  # [T, I]
+        down = f.T @ a2 / x.shape[0]  # [H, I]
     return ExpertHessians(
-        gate=col[:, None] * ((activation_derivative(act, g) * u).pow(2).T @ x2),
-        up=col[:, None] * (act_g.pow(2).T @ x2),
-        down=(act_g * u).pow(2).mean(dim=0),
+        gate=(c * (activation_derivative(act, g) * u).pow(2)).T @ x2,
+        up=(c * act_g.pow(2)).T @ x2,
+        down=down,
     )
 
 
