@@ -2,13 +2,15 @@
 
 Runs the Hugging Face model (transformers, CPU, float32) on the text cut into prompts, captures the routed
 inputs of every MoE layer, and computes per runtime block (layer, expert, w13|w2):
-- the diagonal Hessians of gate, up and down in expert-output units over the tokens routed to the expert
-  (planner.sensitivity.expert_output_hessians: w2's input second moments; gate/up errors carried through
-  the SiLU-gate Jacobian and the down projection), and the sensitivity s^b = sum h (W - W^b)^2 at every
-  stored bitwidth, with W^b decoded from the AP checkpoint (docs/planner.md, eq. 2);
+- the diagonal Hessians of gate, up and down in loss-weighted expert-output units over the tokens routed
+  to the expert (planner.sensitivity.expert_output_hessians: w2's input second moments; gate/up errors
+  carried through the SiLU-gate Jacobian and the down projection; each token's output error weighted by
+  r^2 (dL/dy)^2 from a backward pass of the summed next-token loss), and the sensitivity
+  s^b = sum h (W - W^b)^2 at every stored bitwidth, with W^b decoded from the AP checkpoint
+  (docs/planner.md, eq. 2);
 - routing masses m_{l,e} (eq. 1), bucket thresholds on m*E and the bucket multipliers mu;
 - prompt-residual heads per (proj, b -> b-1): for every (prompt, expert) with enough routed tokens, the
-  target log(d_p / g) where d_p is the increase of the mean squared error of the expert's output on that
+  target log(d_p / g) where d_p is the increase of the mean loss-weighted squared error of the expert's output on that
   prompt's routed tokens (only this block quantized, measured exactly, nonlinearity included) and g the
   global damage, regressed on the prompt's normalised routed-input features.
 """

@@ -17,7 +17,10 @@ For the down projection this is the diagonal of X^T X / T of its input (GPTQ/OBQ
 error of intermediate unit n is carried to the expert's output to first order (SiLU-gate Jacobian, then
 the full-precision down projection's column n), dropping cross terms between units, between input
 columns and between gate and up. s^b is then the expected squared error of the expert's output per
-routed token for every block, so w13 and w2 damages are comparable (docs/planner.md).
+routed token for every block, so w13 and w2 damages are comparable. Calibration passes a per-token,
+per-output-dimension loss weight F_tm = r_t^2 (dL/dy_tm)^2 (`out_weight`), which replaces c_n by
+c_tn = sum_m F_tm W_down[m, n]^2 and makes down's h [H, I]: the damage is then in loss units and layers
+share one scale too (docs/planner.md).
 """
 
 from __future__ import annotations
