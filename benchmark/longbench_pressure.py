@@ -108,8 +108,9 @@ def agreement_with_reference(runs: Path, system: str, reference: str, datasets: 
         for sid, rec in mine.items():
             if sid in ref:
                 n += 1
-                same += rec.pred.strip() == ref[sid].pred.strip()
-                rouge += rouge_score(rec.pred, ref[sid].pred) if rec.pred.strip() and ref[sid].pred.strip() else 0.0
+                a, b = rec.pred.strip(), ref[sid].pred.strip()
+                same += a == b
+                rouge += 1.0 if a == b else (rouge_score(a, b) if a and b else 0.0)
     if n == 0:
         return None
     return {"samples": n, "identical": round(same / n, 4), "rouge_l_vs_reference": round(rouge / n, 4)}
