@@ -13,43 +13,24 @@ from collections import defaultdict
 
 import torch
 
-from pagedweight.planner.moe_capture import find_moe_layers, routed_call_args
+from pagedweight.planner.moe_capture import ExpertsPreHooks, find_moe_layers
 from pagedweight.planner.observer import ObservedTraffic, RoutingObserver
 
 
-class TrafficRecorder:
+class TrafficRecorder(ExpertsPreHooks):
     def __init__(self, model: torch.nn.Module) -> None:
-        self.layers = find_moe_layers(model)
+        super().__init__(find_moe_layers(model))
         num_layers = int(model.config.num_hidden_layers)
         self.observer = RoutingObserver(num_layers, self.layers[0].num_experts)
         self.counts: dict[tuple[int, int], float] = defaultdict(float)
         self.tokens = 0
-        self._handles: list = []
 
-    def __enter__(self) -> "TrafficRecorder":
-        for ref in self.layers:
-            self._handles.append(ref.module.register_forward_pre_hook(self._hook(ref.layer), with_kwargs=True))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def _hook(self, layer: int):
-        def hook(module, args, kwargs):
-            hidden, ids, weights = routed_call_args(layer, args, kwargs)
-            hidden = hidden.detach().reshape(-1, hidden.shape[-1]).float()
-            ids = ids.detach().reshape(hidden.shape[0], -1).long()
-            weights = weights.detach().reshape(ids.shape).float()
-            self.observer.record(layer, hidden, ids, weights)
-            for e, c in zip(*torch.unique(ids, return_counts=True)):
-                self.counts[(layer, int(e))] += float(c)
-            if layer == self.layers[0].layer:
-                self.tokens += hidden.shape[0]
-            return None
-
-        return hook
+    def on_call(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        self.observer.record(layer, hidden, topk_ids, topk_weights)
+        for e, c in zip(*torch.unique(topk_ids, return_counts=True)):
+            self.counts[(layer, int(e))] += float(c)
+        if layer == self.layers[0].layer:
+            self.tokens += hidden.shape[0]
 
     def snapshot(self) -> "RecordedTraffic":
         return RecordedTraffic(self.observer.drain(), dict(self.counts), self.tokens,

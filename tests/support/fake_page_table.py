@@ -1,25 +1,12 @@
-"""A minimal in-memory PageTableView (planner_api) for policy tests: rows are plain mutable dataclasses."""
+"""A minimal in-memory PageTableView (planner_api) for policy tests over the runtime's BlockRow rows."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from pagedweight.format.layout import BlockSpec
-from pagedweight.runtime.blocks import BlockKey
+from pagedweight.runtime.page_table import BlockRow
 
 
-@dataclass
-class Row:
-    block_id: int
-    key: BlockKey
-    spec: BlockSpec
-    committed_bits: int
-    desired_bits: int
-    floor_bits: int
-    ceiling_bits: int
-
-    def bytes_at(self, bits: int) -> int:
-        return self.spec.bytes_at(bits)
+# The runtime's own row type: block id, key, spec, committed/desired/floor/ceiling bits (planes stay on host).
+Row = BlockRow
 
 
 class Table:

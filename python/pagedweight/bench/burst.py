@@ -65,7 +65,6 @@ def one_request(url: str, input_ids: list[int], output_len: int, t0: float, time
     start = time.monotonic()
     ttft = None
     meta: dict[str, Any] = {}
-    bad = 0
     try:
         with requests.post(url + "/generate", json=body, stream=True, timeout=timeout_s) as r:
             r.raise_for_status()
@@ -79,12 +78,12 @@ def one_request(url: str, input_ids: list[int], output_len: int, t0: float, time
                 meta = chunk.get("meta_info") or {}
                 if ttft is None and meta.get("completion_tokens", 0) > 0:
                     ttft = time.monotonic() - start
-                # SGLang streams cumulative output (unless --incremental-streaming-output): the last chunk
-                # holds every output log-probability; max() also keeps a NaN seen in an earlier chunk.
-                bad = max(bad, _count_bad_logprobs(meta))
+        # SGLang streams cumulative output (without --incremental-streaming-output): the last chunk holds
+        # every output log-probability.
+        bad = _count_bad_logprobs(meta)
     except (requests.RequestException, ValueError) as e:
         return RequestOutcome(False, int(meta.get("completion_tokens", 0)), ttft, time.monotonic() - start,
-                              start - t0, bad, f"{type(e).__name__}: {e}")
+                              start - t0, _count_bad_logprobs(meta), f"{type(e).__name__}: {e}")
     done = int(meta.get("completion_tokens", 0))
     finish = (meta.get("finish_reason") or {}).get("type") if isinstance(meta.get("finish_reason"), dict) else None
     ok = done == output_len and finish != "abort"

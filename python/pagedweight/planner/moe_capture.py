@@ -9,6 +9,7 @@ choice, per token, after any normalisation of the top-k weights.
 
 from __future__ import annotations
 
+import abc
 import re
 from dataclasses import dataclass, field
 
@@ -94,16 +95,15 @@ def routed_call_args(layer: int, args: tuple, kwargs: dict) -> tuple[torch.Tenso
     return vals[0], vals[1], vals[2]
 
 
-class RoutedCapture:
-    """Context manager: pre-hooks on every experts module record (hidden, ids, weights, prompt index)."""
+class ExpertsPreHooks(abc.ABC):
+    """Context manager: a forward pre-hook on every experts module; a subclass says what one call records in
+    `on_call(layer, hidden [T, H] float, topk_ids [T, k] long, topk_weights [T, k] float)` (detached)."""
 
     def __init__(self, layers: list[MoELayerRef]) -> None:
         self.layers = layers
-        self.captured: dict[int, LayerCapture] = {ref.layer: LayerCapture() for ref in layers}
-        self.prompt_index = 0
         self._handles: list = []
 
-    def __enter__(self) -> RoutedCapture:
+    def __enter__(self):
         for ref in self.layers:
             self._handles.append(ref.module.register_forward_pre_hook(self._hook(ref.layer), with_kwargs=True))
         return self
@@ -116,14 +116,32 @@ class RoutedCapture:
     def _hook(self, layer: int):
         def hook(module, args, kwargs):
             hidden, ids, weights = routed_call_args(layer, args, kwargs)
-            cap = self.captured[layer]
-            cap.hidden.append(hidden.detach().reshape(-1, hidden.shape[-1]).float().cpu())
-            cap.topk_ids.append(ids.detach().reshape(hidden.numel() // hidden.shape[-1], -1).long().cpu())
-            cap.topk_weights.append(weights.detach().reshape(ids.shape).float().cpu().reshape(cap.topk_ids[-1].shape))
-            cap.prompt.append(torch.full((cap.hidden[-1].shape[0],), self.prompt_index, dtype=torch.long))
+            hidden = hidden.detach().reshape(-1, hidden.shape[-1]).float()
+            ids = ids.detach().reshape(hidden.shape[0], -1).long()
+            self.on_call(layer, hidden, ids, weights.detach().reshape(ids.shape).float())
             return None
 
         return hook
+
+    @abc.abstractmethod
+    def on_call(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """Record one routed call of `layer`'s experts."""
+
+
+class RoutedCapture(ExpertsPreHooks):
+    """Pre-hooks on every experts module record (hidden, ids, weights, prompt index) on the CPU."""
+
+    def __init__(self, layers: list[MoELayerRef]) -> None:
+        super().__init__(layers)
+        self.captured: dict[int, LayerCapture] = {ref.layer: LayerCapture() for ref in layers}
+        self.prompt_index = 0
+
+    def on_call(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        cap = self.captured[layer]
+        cap.hidden.append(hidden.cpu())
+        cap.topk_ids.append(topk_ids.cpu())
+        cap.topk_weights.append(topk_weights.cpu())
+        cap.prompt.append(torch.full((hidden.shape[0],), self.prompt_index, dtype=torch.long))
 
 
 class OutputGradCapture:
