@@ -3,6 +3,9 @@
 #   bash benchmark/gpu_session.sh kernels   # GPU correctness tests + SGLang baseline + AP kernel benchmark
 #   bash benchmark/gpu_session.sh serve     # server smoke test + bench_one_batch stock bf16 vs AP 4-bit
 #   bash benchmark/gpu_session.sh pressure  # KV-pressure bursts: PagedWeight (+poison) vs stock bf16, same budget
+#   bash benchmark/gpu_session.sh tp2       # two GPUs: stock --tp 2 vs PagedWeight --tp 2 (burst, held plan,
+#                                           # reload) vs a server started at the held plan; TP2_SYSTEMS picks
+#                                           # servers, results append to /tmp/tp2/tp2.json across calls
 #   bash benchmark/gpu_session.sh longbench # MoEfied SmolLM2 rebuilt from /tmp/sc (carried pieces), LongBench-format
 #                                           # work at one budget: stock bf16 vs uniform AP vs PagedWeight
 # Writes everything under $OUT (default out/gpu).
@@ -51,10 +54,24 @@ if [ "$stage" = pressure ]; then
   timeout "${PRESSURE_TIMEOUT:-480}" python3 benchmark/pressure_bench.py --model-path $model --load-format dummy \
     --mem-fraction-static "${PRESSURE_MEM_FRACTION:-0.33}" --input-len "${PRESSURE_INPUT_LEN:-2048}" \
     --output-len "${PRESSURE_OUTPUT_LEN:-384}" --paged-weight-min-bits "${PRESSURE_MIN_BITS:-3}" \
+    --systems "${PRESSURE_SYSTEMS:-pagedweight_poison,static_bf16,pagedweight}" \
     --extra-server-args "--attention-backend triton --sampling-backend pytorch --cuda-graph-max-bs 128" \
     --out "$OUT/pressure.json" 2>&1 | tee "$OUT/pressure.log" | grep -v "^\[20" | tail -40
   pkill -f "sglang[.]launch_server"; sleep 3
   tar czf "$OUT/pressure_logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
+fi
+if [ "$stage" = tp2 ]; then
+  # NVLink multicast stays off (the device README): these are set on the machine; keep them for our servers too.
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  model=/tmp/qwen15moe-dummy; work=/tmp/tp2; mkdir -p $work
+  python3 benchmark/dummy_model.py --model qwen15moe --out $model >/dev/null
+  timeout "${TP2_TIMEOUT:-560}" python3 benchmark/tp2_bench.py --model-path $model --load-format dummy --tp 2 \
+    --mem-fraction-static "${TP2_MEM_FRACTION:-0.2}" --systems "${TP2_SYSTEMS:-stock,pagedweight,pagedweight_bits_map}" \
+    --append --extra-server-args "--attention-backend triton --sampling-backend pytorch --cuda-graph-max-bs 64" \
+    --out $work/tp2.json 2>&1 | tee -a "$work/tp2.log" | grep -v "^\[20" | tail -40
+  pkill -f "sglang[.]launch_server"; sleep 3
+  cp $work/tp2.json $work/tp2.md $work/tp2_held_plan.json "$OUT/" 2>/dev/null
+  tar czf "$OUT/tp2_logs.tgz" -C $work logs tp2.log
 fi
 if [ "$stage" = longbench ]; then
   # The carried pieces were copied to /tmp/sc by each call (benchmark/device_build_smollm2_moe.py prepare).

@@ -21,12 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from pathlib import Path
 from typing import Any, Optional
 
 from pagedweight.bench.burst import BurstSpec, run_burst
-from pagedweight.bench.scenario import RunOptions, SystemSpec, machine_description, run_system
+from pagedweight.bench.scenario import SystemSpec, run_system, start_results
 
 
 def systems_from_args(a: argparse.Namespace) -> list[SystemSpec]:
@@ -136,23 +134,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
 
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    opts = RunOptions(out.parent / "logs", a.sample_interval_s, a.start_timeout_s, a.quiet_timeout_s, a.port)
-    opts.log_dir.mkdir(exist_ok=True)
-    cfg = json.loads((Path(a.model_path) / "config.json").read_text())
+    out, opts, cfg, doc = start_results(a, argv)
     workload = BurstWorkload(a, int(cfg.get("vocab_size", 32000)))
     common = ["--load-format", a.load_format, "--mem-fraction-static", str(a.mem_fraction_static), "--enable-metrics"]
     common += a.extra_server_args.split()
-    doc: dict[str, Any] = {
-        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
-        "machine": machine_description(),
-        "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "model": f"{a.model_path} ({cfg.get('architectures', ['?'])[0]}, {cfg.get('num_hidden_layers')} layers)",
-        "workload": f"bursts of N concurrent requests of {a.input_len} random prompt tokens + {a.output_len} output "
-                    f"tokens (greedy, ignore_eos); N fixed by the first system",
-        "systems": [],
-    }
+    doc["workload"] = (f"bursts of N concurrent requests of {a.input_len} random prompt tokens + {a.output_len} output "
+                       "tokens (greedy, ignore_eos); N fixed by the first system")
     for spec in systems_from_args(a):
         doc["systems"].append(run_system(spec, common, workload, opts))
         doc["headline"] = headline(doc["systems"])

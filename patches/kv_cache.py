@@ -16,7 +16,7 @@ Serving:
 - AFTER Scheduler.__init__: bind the cache to the scheduler (radix cache, capacity copies) and expose it as
   `scheduler._paged_weight_kv` (patches/scheduler.py picks it up; registered before it in plugin.py).
 - BEFORE Scheduler.get_next_batch_to_run: `kv.poll()` releases parked CUDA chunks whose fence is done.
-- AROUND Scheduler.set_internal_state: `POST /set_internal_state {"server_args":
+- set_internal_state (dispatched by patches/scheduler.py): `POST /set_internal_state {"server_args":
   {"paged_weight_kv_capacity_tokens": N}}` moves the capacity toward N (operators and tests; the answer
   `[true]` means exactly N, clamped to [min_tokens, max_tokens], was reached; a shrink stops above slots
   that running requests hold).
@@ -235,10 +235,8 @@ def get_next_batch_before(scheduler, *args, **kwargs):
     return None
 
 
-def set_internal_state_around(original, scheduler, recv_req, *args, **kwargs):
-    server_args = getattr(recv_req, "server_args", None) or {}
-    if RESIZE_KEY not in server_args:
-        return original(scheduler, recv_req, *args, **kwargs)
+def handle_resize(scheduler, server_args: dict):
+    """set_internal_state with RESIZE_KEY (dispatched by patches/scheduler.py's set_internal_state hook)."""
     from sglang.srt.managers.io_struct import SetInternalStateReqOutput
 
     kv = getattr(scheduler, KV_ATTR, None)
@@ -272,5 +270,4 @@ def register(registry, hook_type) -> None:
     registry.register(f"{MHA_POOL}._alloc_post_capture_buffers", alloc_post_capture_buffers_around, hook_type.AROUND)
     registry.register(f"{SCHEDULER}.__init__", scheduler_init_after, hook_type.AFTER)
     registry.register(f"{SCHEDULER}.get_next_batch_to_run", get_next_batch_before, hook_type.BEFORE)
-    registry.register(f"{SCHEDULER}.set_internal_state", set_internal_state_around, hook_type.AROUND)
     registry.register(f"{SCHEDULER}.get_internal_state", get_internal_state_after, hook_type.AFTER)

@@ -4,7 +4,11 @@
   runner started a PagedWeight runtime;
 - before Scheduler.get_next_batch_to_run: one step (the safe boundary, see python/pagedweight/serving_loop.py);
 - after Scheduler.get_internal_state: add the runtime's state under "paged_weight", so SGLang's
-  `/get_server_info` reports committed bitwidths, bytes in weights/KV/free and transitions.
+  `/get_server_info` reports committed bitwidths, bytes in weights/KV/free and transitions;
+- around Scheduler.set_internal_state: the elastic KV resize (patches/kv_cache.py), and `POST
+  /set_internal_state {"server_args": {"paged_weight_hold_reloads": 1}}` holds the current plan (no reloads, no KV shrink; offloads under
+  pressure still run), `0` releases it. Every TP rank receives the request; rank 0's value is what the
+  ranks act on (tp_sync.StepInputs).
 """
 
 from __future__ import annotations
@@ -42,7 +46,33 @@ def get_internal_state_after(result, scheduler, *args, **kwargs):
     return result
 
 
+HOLD_KEY = "paged_weight_hold_reloads"  # SetInternalStateReq takes numeric values only
+
+
+def set_internal_state_around(original, scheduler, recv_req, *args, **kwargs):
+    """PagedWeight's operator keys (the elastic KV resize and the reload hold); anything else is SGLang's."""
+    from pagedweight.patches import kv_cache
+
+    server_args = getattr(recv_req, "server_args", None) or {}
+    if kv_cache.RESIZE_KEY in server_args:
+        return kv_cache.handle_resize(scheduler, server_args)
+    if HOLD_KEY not in server_args:
+        return original(scheduler, recv_req, *args, **kwargs)
+    from sglang.srt.managers.io_struct import SetInternalStateReqOutput
+
+    state = getattr(scheduler, ATTR, None)
+    if state is None or len(server_args) != 1:
+        logger.warning(
+            "set_internal_state %s: needs --enable-paged-weight and no other key, got %r", HOLD_KEY, server_args
+        )
+        return SetInternalStateReqOutput(updated=False)
+    state.reloads_held = bool(int(server_args[HOLD_KEY]))
+    logger.info("PagedWeight: reloads %s by set_internal_state", "held" if state.reloads_held else "released")
+    return SetInternalStateReqOutput(updated=True)
+
+
 def register(registry, hook_type) -> None:
     registry.register(f"{SCHEDULER}.__init__", init_after, hook_type.AFTER)
     registry.register(f"{SCHEDULER}.get_next_batch_to_run", get_next_batch_before, hook_type.BEFORE)
     registry.register(f"{SCHEDULER}.get_internal_state", get_internal_state_after, hook_type.AFTER)
+    registry.register(f"{SCHEDULER}.set_internal_state", set_internal_state_around, hook_type.AROUND)

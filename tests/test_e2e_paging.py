@@ -93,6 +93,67 @@ def test_burst_offloads_and_quiet_reloads(paging_server):
     assert after == before
 
 
+def _burst(url: str, n: int = 6) -> list[int]:
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
+    prompts = [" ".join(words[(i + j) % len(words)] for j in range(90)) for i in range(n)]
+
+    def one(p):
+        r = requests.post(url + "/generate", json={"text": p, "sampling_params": {
+            "max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}, timeout=600)
+        r.raise_for_status()
+        return r.json()["meta_info"]["completion_tokens"]
+
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, prompts))
+
+
+def _set(url: str, key: str, value: int) -> bool:
+    r = requests.post(url + "/set_internal_state", json={"server_args": {key: value}}, timeout=60)
+    r.raise_for_status()
+    return r.json() == [True]  # one answer per data-parallel rank
+
+
+def test_held_plan_restarts_identically_from_a_bits_map(paging_server, ap_qwen2_moe, server_env, cpu_server_flags,
+                                                        work_dir):
+    """Hold reloads, let a burst lower bitwidths, save the plan from /get_server_info, and serve it again from
+    --paged-weight-bits-map: the restarted server commits the same bits and answers the same tokens."""
+    url = paging_server.url
+    total = len(_state(url)["blocks"])
+    _wait_for(url, lambda st: st["committed_bits_histogram"] == {"8": total}, 300, "the starting bitwidths")
+    assert _set(url, "paged_weight_hold_reloads", 1)
+    try:
+        assert _burst(url) == [40] * 6
+        idle = lambda st: not st["queued_blocks"] and not any(st["ops"].values())  # noqa: E731
+        held = _wait_for(url, idle, 120, "the pager to go idle")
+        assert held["reloads_held"] and any(int(b) < 8 for b in held["committed_bits_histogram"])
+        time.sleep(3)  # quiet and far above the high watermark: only the hold keeps the plan
+        again = _state(url)
+        assert again["committed_bits_histogram"] == held["committed_bits_histogram"]
+        assert again["counters"]["transitions"] == held["counters"]["transitions"]
+        snapshot = work_dir / "held_plan.json"
+        snapshot.write_text(requests.get(url + "/get_server_info", timeout=60).text)
+        requests.post(url + "/flush_cache", timeout=60).raise_for_status()  # no prefix computed at other bits
+        text_held = requests.post(url + "/generate", json=PROBE, timeout=120).json()["text"]
+    finally:
+        assert _set(url, "paged_weight_hold_reloads", 0)
+    _wait_for(url, lambda st: st["committed_bits_histogram"] == {"8": total}, 300, "reload once the hold is released")
+
+    srv = launch_server(
+        ap_qwen2_moe,
+        ["--enable-paged-weight", "--paged-weight-bits-map", str(snapshot), "--paged-weight-policy", "static"]
+        + cpu_server_flags,
+        server_env,
+        work_dir / "server-bits-map.log",
+    )
+    try:
+        wait_healthy(srv)
+        restarted = _state(srv.url)
+        assert sorted(b[:4] for b in restarted["blocks"]) == sorted(b[:4] for b in held["blocks"])
+        assert requests.post(srv.url + "/generate", json=PROBE, timeout=120).json()["text"] == text_held
+    finally:
+        srv.stop()
+
+
 def test_prometheus_gauges(paging_server):
     text = requests.get(paging_server.url + "/metrics", timeout=60).text
     for name in ("sglang:pagedweight_weight_bytes", "sglang:pagedweight_transitions_total",

@@ -15,17 +15,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cpu_engine import pressure_server_flags
+
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_pressure_bench_cpu(ap_qwen2_moe, tiny_qwen2_moe, server_env, cpu_server_flags, tmp_path):
-    flags = list(cpu_server_flags)
-    i = flags.index("--mem-fraction-static")
-    del flags[i:i + 2]
-    flags[flags.index("--max-total-tokens") + 1] = "700"
-    flags += ["--paged-weight-kv-low-watermark", "0.5", "--paged-weight-kv-high-watermark", "0.8"]
+    flags = pressure_server_flags(cpu_server_flags)
     out = tmp_path / "pressure.json"
     cmd = [sys.executable, str(REPO / "benchmark" / "pressure_bench.py"), "--model-path", str(ap_qwen2_moe),
            "--bf16-model-path", str(tiny_qwen2_moe), "--mem-fraction-static", "0.5", "--systems",

@@ -1,15 +1,17 @@
-"""Two TP ranks (gloo, CPU) make identical PagedWeight decisions when rank 0's step inputs are broadcast.
+"""Two TP ranks (gloo, CPU) make identical PagedWeight decisions at every iteration.
 
 Each rank builds the real runtime (page table, host arena, budget, pager) over the same expert blocks and
-runs the real PagedWeightScheduler.step against the same KV-pressure sequence. The ranks sample routing
-statistics differently (rank 1 sees them reversed), as two processes reading at different moments would.
-With the broadcast every rank commits the same bitwidths at every iteration; without it they diverge.
+runs the real PagedWeightScheduler.step against the same KV-pressure sequence. The ranks differ as two
+GPUs would: they sample routing statistics differently (rank 1 sees them reversed), and their fences (copy
+completions, forward-stream fences) complete at different iterations. With the per-iteration exchange
+(rank 0's inputs plus fences agreed by every rank) both ranks commit the same bitwidths and hand the same
+bytes to the KV cache at every iteration, and their digests never differ; without the fence agreement, or
+without any exchange, they diverge (control runs) and the digest check counts it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,41 @@ class _Tree:
         return 0
 
 
+class _Clock:
+    now = 0
+
+
+class _SkewedFence:
+    def __init__(self, clock: _Clock, ready_at: int) -> None:
+        self.clock, self.ready_at = clock, ready_at
+
+    def done(self) -> bool:
+        return self.clock.now >= self.ready_at
+
+
+class _SkewedFences:
+    """FenceFactory whose fences complete 0-2 iterations after recording, differently on each rank."""
+
+    def __init__(self, clock: _Clock, rank: int) -> None:
+        self.clock, self.rank, self.n = clock, rank, 0
+
+    def record(self) -> _SkewedFence:
+        self.n += 1
+        return _SkewedFence(self.clock, self.clock.now + (self.n + self.rank) % 3)
+
+
+class _SkewedCopier:
+    """Copies at once but reports completion 1-3 iterations later, differently on each rank."""
+
+    def __init__(self, inner, clock: _Clock, rank: int) -> None:
+        self.inner, self.clock, self.rank, self.n = inner, clock, rank, 0
+
+    def copy(self, pairs) -> _SkewedFence:
+        self.inner.copy(pairs)
+        self.n += 1
+        return _SkewedFence(self.clock, self.clock.now + 1 + (self.n * (self.rank + 1)) % 3)
+
+
 class _Scheduler:
     def __init__(self) -> None:
         self.token_to_kv_pool_allocator = _Allocator()
@@ -41,31 +78,17 @@ class _Scheduler:
 
 
 def _stores(rank: int):
-    from pagedweight.format.layout import BlockSpec
-    from pagedweight.runtime.expert_store import ExpertPlanes, MoELayerStore, ProjectionStore
+    from tests.support.random_stores import random_layer_stores
 
-    g = torch.Generator().manual_seed(0)
-    stores = []
-    for layer in range(LAYERS):
-        projs = []
-        for proj, (n, k) in (("w13", (64, 32)), ("w2", (32, 32))):
-            spec = BlockSpec(n, k, 2, 8, "bcq", 32)
-            host = [
-                ExpertPlanes(
-                    torch.randint(0, 256, spec.planes_shape(), dtype=torch.uint8, generator=g),
-                    {b: torch.randn(spec.table_shape(b), generator=g).half() for b in spec.bitwidths},
-                )
-                for _ in range(EXPERTS)
-            ]
-            projs.append(ProjectionStore(f"layer{layer}.{proj}", proj, spec, host, torch.device("cpu")))
-        store = MoELayerStore(layer, *projs)
+    stores = random_layer_stores(LAYERS, EXPERTS)
+    for store in stores:
+        layer = store.layer_id
         mass = torch.arange(1, EXPERTS + 1, dtype=torch.float32) * (layer + 1)
         store.routing_mass.copy_(mass.flip(0) if rank == 1 else mass)  # each rank samples differently
-        stores.append(store)
     return stores
 
 
-def _worker(rank: int, init_file: str, sync: bool, out_dir: str) -> None:
+def _worker(rank: int, init_file: str, mode: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         from pagedweight.config import PagedWeightConfig
@@ -74,45 +97,104 @@ def _worker(rank: int, init_file: str, sync: bool, out_dir: str) -> None:
         from pagedweight.runtime.controller import PagingController
         from pagedweight.runtime.pressure import KVPressureSignal
         from pagedweight.serving_loop import PagedWeightScheduler
-        from pagedweight.tp_sync import StepInputBroadcast
+        from pagedweight.tp_sync import make_tp_sync
 
         runtime = PagedRuntime.build(PagedWeightConfig(enable=True, bits=8), _stores(rank), torch.device("cpu"))
         signal = KVPressureSignal(threshold_blocks=100, bytes_per_block=512, relax_blocks=400, relax_checks=2)
         policy = make_policy("hotness", options={"interval_s": 0.001})
         controller = PagingController(runtime.pager, policy, signal, reload_headroom_bytes=runtime.reload_headroom_bytes)
-        tp = StepInputBroadcast(dist.group.WORLD, 0, rank == 0) if sync else None
+        clock = _Clock()
+        runtime.pager.fences = _SkewedFences(clock, rank)
+        runtime.pager.copier = _SkewedCopier(runtime.pager.copier, clock, rank)
+        tp = None
+        if mode != "none":
+            tp = make_tp_sync(runtime.pager, None, dist.group.WORLD, 0, rank == 0, agree_fences=mode == "full")
         state = PagedWeightScheduler(runtime, controller, page_size=1, capacity_blocks=1000, tp_sync=tp)
         sched = _Scheduler()
         trace = []
         for i in range(STEPS):
+            clock.now = i
             # The same KV pressure on both ranks: a short dip below the threshold every 10 iterations
             # (a few blocks must go down: which ones is the policy's choice), quiet in between.
             sched.token_to_kv_pool_allocator.free = 95 if i % 10 == 0 else 900
             state._routing_at = -1.0  # sample routing every step (rank 0's sample is what counts under sync)
             state.step(sched)
-            trace.append([r.committed_bits for r in runtime.table])
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(trace))
+            trace.append([[r.committed_bits for r in runtime.table], runtime.pager.counters.bytes_to_kv])
+        tp_state = tp.state() if tp is not None else None
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"trace": trace, "tp": tp_state}))
     finally:
         dist.destroy_process_group()
 
 
-def _run(tmp_path: Path, sync: bool) -> tuple[list, list]:
-    out = tmp_path / ("sync" if sync else "nosync")
+def _run(tmp_path: Path, mode: str) -> tuple[dict, dict]:
+    out = tmp_path / mode
     out.mkdir()
-    mp.start_processes(_worker, args=(str(tmp_path / f"init-{sync}"), sync, str(out)), nprocs=2,
+    mp.start_processes(_worker, args=(str(tmp_path / f"init-{mode}"), mode, str(out)), nprocs=2,
                        start_method="spawn", join=True)
     return tuple(json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
 
 
 @pytest.mark.timeout(600)
-def test_broadcast_keeps_ranks_identical(tmp_path):
-    r0, r1 = _run(tmp_path, sync=True)
-    assert any(any(b < 8 for b in step) for step in r0), "the burst should have lowered some bitwidths"
-    assert r0 == r1
+def test_exchange_keeps_ranks_identical(tmp_path):
+    r0, r1 = _run(tmp_path, "full")
+    bits = [step[0] for step in r0["trace"]]
+    assert any(any(b < 8 for b in step) for step in bits), "the bursts should have lowered some bitwidths"
+    assert r0["trace"][-1][1] > 0, "offloads should have handed bytes to the KV side"
+    assert r0["trace"] == r1["trace"]
+    assert r0["tp"]["digest_mismatches"] == 0 and r1["tp"]["digest_mismatches"] == 0
+    assert r0["tp"]["exchanges"] == STEPS and r0["tp"]["fences_agreed"] > 0
 
 
 @pytest.mark.timeout(600)
-def test_without_broadcast_ranks_diverge(tmp_path):
-    """Control: the same run without the broadcast commits different blocks on the two ranks."""
-    r0, r1 = _run(tmp_path, sync=False)
-    assert r0 != r1
+def test_without_fence_agreement_ranks_diverge(tmp_path):
+    """Control: the same inputs on both ranks, but each rank polls its own fences: commits and KV hand-overs
+    land at different iterations, and the digest check sees it."""
+    r0, r1 = _run(tmp_path, "inputs")
+    assert r0["trace"] != r1["trace"]
+    assert r0["tp"]["digest_mismatches"] > 0
+
+
+@pytest.mark.timeout(600)
+def test_without_exchange_ranks_diverge(tmp_path):
+    """Control: no exchange at all; the ranks' own routing samples make them commit different blocks."""
+    r0, r1 = _run(tmp_path, "none")
+    assert [s[0] for s in r0["trace"]] != [s[0] for s in r1["trace"]]
+
+
+class _Event:
+    def __init__(self, done: bool = False) -> None:
+        self.is_done, self.waited = done, False
+
+    def query(self) -> bool:
+        return self.is_done
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+
+def test_fence_ledger_marks_only_fences_every_rank_completed():
+    from pagedweight.runtime.fence_ledger import FenceLedger
+
+    ledger = FenceLedger()
+    record = ledger.wrap_event_fn(lambda stream: _Event())
+    fences = [record(None) for _ in range(4)]
+    assert [f.seq for f in fences] == [0, 1, 2, 3] and ledger.recorded == 4
+    fences[0].inner.is_done = fences[2].inner.is_done = True
+    assert ledger.local_done() == (0, 2)
+    assert not any(f.query() for f in fences)  # local completion alone decides nothing
+    assert ledger.agree([ledger.local_done(), (1, 2, 3)]) == 1  # only fence 2 is done on both ranks
+    assert [f.done() for f in fences] == [False, False, True, False]
+    assert ledger.pending == 3 and ledger.agreed == 1
+    fences[1].synchronize()  # a blocking wait goes to the device fence (rank-symmetric by construction)
+    assert fences[1].inner.waited and not fences[1].done()
+
+
+def test_make_tp_sync_refuses_a_busy_pager():
+    from pagedweight.tp_sync import make_tp_sync
+
+    class _Busy:
+        def idle(self) -> bool:
+            return False
+
+    with pytest.raises(RuntimeError, match="idle pager"):
+        make_tp_sync(_Busy(), None, None, 0, True)

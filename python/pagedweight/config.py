@@ -29,6 +29,8 @@ class PagedWeightConfig:
     path: Optional[str] = None
     # Initial committed bitwidth of every expert block; None -> the checkpoint's parent bitwidth.
     bits: Optional[int] = None
+    # JSON file with a committed bitwidth per block (a /get_server_info snapshot's "blocks"); overrides `bits`.
+    bits_map: Optional[str] = None
     policy: str = "auto"
     # Lowest bitwidth the policy may commit (None: the checkpoint's seed bitwidth).
     floor_bits: Optional[int] = None
@@ -65,10 +67,17 @@ class PagedWeightConfig:
             raise PagedWeightConfigError(f"--paged-weight-max-inflight-mib must be positive, got {self.max_inflight_mib}")
         if self.policy not in POLICIES:
             raise PagedWeightConfigError(f"--paged-weight-policy must be one of {POLICIES}, got {self.policy!r}")
-        if not self.enable and (self.path is not None or self.bits is not None):
+        if not self.enable and (self.path is not None or self.bits is not None or self.bits_map is not None):
             raise PagedWeightConfigError(
-                "--paged-weight-path/--paged-weight-bits were given without --enable-paged-weight; add it"
+                "--paged-weight-path/--paged-weight-bits/--paged-weight-bits-map were given without "
+                "--enable-paged-weight; add it"
             )
+        if self.bits_map is not None and self.bits is not None:
+            raise PagedWeightConfigError(
+                "--paged-weight-bits and --paged-weight-bits-map both set the initial bitwidths; give one"
+            )
+        if self.bits_map is not None and not os.path.isfile(self.bits_map):
+            raise PagedWeightConfigError(f"--paged-weight-bits-map {self.bits_map}: no such file")
 
     def resolve_ap_dir(self, model_path: str) -> str:
         """The directory that holds manifest.json."""
@@ -90,6 +99,7 @@ _KWARG_TO_FIELD = {
     "enable_paged_weight": "enable",
     "paged_weight_path": "path",
     "paged_weight_bits": "bits",
+    "paged_weight_bits_map": "bits_map",
     "paged_weight_policy": "policy",
     "paged_weight_min_bits": "floor_bits",
     "paged_weight_kv_low_watermark": "kv_low_watermark",
@@ -119,6 +129,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="Initial committed bitwidth of every expert block (default: the checkpoint's parent bitwidth).",
+    )
+    group.add_argument(
+        "--paged-weight-bits-map",
+        type=str,
+        default=None,
+        help="JSON file giving every expert block its initial bitwidth: the 'blocks' list of a /get_server_info "
+        "snapshot ([layer, expert, proj, committed, desired] rows), e.g. to restart at a plan a running server "
+        "reached (with --paged-weight-policy static to keep it).",
     )
     group.add_argument(
         "--paged-weight-policy",

@@ -58,6 +58,10 @@ class KVBacking(Protocol):
         """Release what became safe to release; returns the bytes released by this call."""
         ...
 
+    def wrap_fences(self, wrap: Callable[[Callable[[Any], Any]], Callable[[Any], Any]]) -> None:
+        """Route the fences this backing records through `wrap` (TP: FenceLedger.wrap_event_fn)."""
+        ...
+
     def close(self) -> None:
         ...
 
@@ -95,6 +99,9 @@ class HostKVBacking:
     def poll(self) -> int:
         released, self._released = self._released, 0
         return released
+
+    def wrap_fences(self, wrap: Callable[[Callable[[Any], Any]], Callable[[Any], Any]]) -> None:
+        pass  # host memory is released at once: no fences to agree on
 
     def close(self) -> None:
         pass
@@ -333,6 +340,9 @@ class VmmKVBacking:
                 kept.append(p)
         self._pending = kept
         return released
+
+    def wrap_fences(self, wrap: Callable[[Callable[[Any], Any]], Callable[[Any], Any]]) -> None:
+        self._fence = wrap(self._fence)
 
     def close(self) -> None:
         for p in self._pending:

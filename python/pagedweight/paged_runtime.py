@@ -64,7 +64,11 @@ class PagedRuntime:
                     blocks.append((BlockKey(layer.layer_id, e, proj.proj), proj.spec))
         spec0 = blocks[0][1]
         bits = cfg.bits if cfg.bits is not None else spec0.bits_max
-        table = WeightPageTable(blocks, initial_bits=bits, floor_bits=cfg.floor_bits)
+        if cfg.bits_map is not None:
+            table = _table_from_bits_map(cfg, blocks)
+            bits = max(row.desired_bits for row in table)
+        else:
+            table = WeightPageTable(blocks, initial_bits=bits, floor_bits=cfg.floor_bits)
         classes = arena_size_classes(table)
         if device.type == "cuda":
             arena: PlaneArena = CudaVmmPlaneArena(classes, device_id=device.index or 0, poison=cfg.debug_poison)
@@ -131,6 +135,21 @@ class PagedRuntime:
             "weights_bytes_at_floor": self.bytes_at_floor(),
             **self.pager.state(include_blocks=include_blocks),
         }
+
+
+def _table_from_bits_map(cfg: PagedWeightConfig, blocks: list) -> WeightPageTable:
+    """The page table started at --paged-weight-bits-map's per-block bitwidths (checked, never clamped)."""
+    from pagedweight.runtime.bits_map import check_bits_map, load_bits_map
+
+    bits_map = load_bits_map(cfg.bits_map)
+    limits_table = WeightPageTable(blocks, initial_bits=8, floor_bits=cfg.floor_bits)
+    check_bits_map(bits_map, [(r.key, r.floor_bits, r.ceiling_bits) for r in limits_table], cfg.bits_map)
+    table = WeightPageTable(blocks, initial_bits=bits_map, floor_bits=cfg.floor_bits)
+    hist: dict[int, int] = {}
+    for row in table:
+        hist[row.desired_bits] = hist.get(row.desired_bits, 0) + 1
+    logger.info("PagedWeight: initial bitwidths from %s: %s blocks per bitwidth", cfg.bits_map, dict(sorted(hist.items())))
+    return table
 
 
 def find_runtime(model_runner) -> Optional[PagedRuntime]:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import math
+import struct
 import time
+import zlib
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -24,7 +26,7 @@ from pagedweight.paged_runtime import PagedRuntime
 from pagedweight.runtime.controller import PagingController
 from pagedweight.runtime.planner_api import Observation, Policy, ScriptedPolicy
 from pagedweight.runtime.pressure import KVPressureSignal
-from pagedweight.tp_sync import StepInputBroadcast, StepInputs
+from pagedweight.tp_sync import RankDigest, StepInputs, TpStepSync, make_tp_sync
 
 logger = logging.getLogger("pagedweight")
 
@@ -70,10 +72,12 @@ class PagedWeightScheduler:
     capacity_blocks: int
     forward_stream: Any = None
     metrics: Any = None  # PagedWeightMetrics when --enable-metrics
-    tp_sync: Optional[StepInputBroadcast] = None  # TP > 1: rank 0's inputs for every rank
+    tp_sync: Optional[TpStepSync] = None  # TP > 1: rank 0's inputs, agreed fences, digests of every rank
     queue_aware: bool = True  # the first waiting request's KV demand counts as pressure
     waiting_blocks: int = 0  # that demand at the last step (blocks it lacked)
+    reloads_held: bool = False  # operator hold (set_internal_state paged_weight_hold_reloads=1): keep the plan
     iteration: int = 0
+    commits_crc: int = 0  # running CRC-32 of (block, bits) commits: compared across TP ranks
     started_s: float = field(default_factory=time.monotonic)
     _routing: dict = field(default_factory=dict)
     _routing_at: float = -1.0
@@ -115,7 +119,10 @@ class PagedWeightScheduler:
         tp_sync = None
         tp_group = getattr(scheduler, "tp_group", None)
         if tp_group is not None and tp_group.world_size > 1:
-            tp_sync = StepInputBroadcast(tp_group.cpu_group, tp_group.first_rank, tp_group.rank_in_group == 0)
+            tp_sync = make_tp_sync(
+                runtime.pager, kv, tp_group.cpu_group, tp_group.first_rank, tp_group.rank_in_group == 0
+            )
+            logger.info("PagedWeight: TP %d, decisions and fence completions agreed on the TP CPU group", tp_group.world_size)
         return cls(runtime, controller, page, capacity_blocks, stream, metrics, tp_sync, queue_aware=cfg.queue_aware)
 
     def step(self, scheduler: Any) -> None:
@@ -129,9 +136,10 @@ class PagedWeightScheduler:
             now_s=time.monotonic() - self.started_s,
             routing=self._fresh_routing(),
             waiting_blocks=self._waiting_blocks(scheduler, available + evictable),
+            reloads_held=self.reloads_held,
         )
         if self.tp_sync is not None:
-            inputs = self.tp_sync(inputs)
+            inputs = self.tp_sync(inputs, self._digest(scheduler))
         self.waiting_blocks = inputs.waiting_blocks
         if inputs.routing is not None:
             self._routing = dict(inputs.routing)
@@ -142,9 +150,32 @@ class PagedWeightScheduler:
         ctx = torch.cuda.stream(self.forward_stream) if self.forward_stream is not None else nullcontext()
         with ctx:
             # A request that waits for KV counts as pressure: the blocks it lacks count as used.
-            self.controller.step(inputs.available_blocks, inputs.evictable_blocks, obs, waiting_blocks=inputs.waiting_blocks)
+            report = self.controller.step(
+                inputs.available_blocks,
+                inputs.evictable_blocks,
+                obs,
+                waiting_blocks=inputs.waiting_blocks,
+                allow_reload=not inputs.reloads_held,
+            )
+        if report.boundary.committed:
+            rows = self.runtime.table
+            done = [(b, rows.row(b).committed_bits) for b in report.boundary.committed]
+            self.commits_crc = zlib.crc32(struct.pack(f"<{2 * len(done)}i", *(x for pair in done for x in pair)), self.commits_crc)
         if self.metrics is not None:
             self.metrics.update(self, scheduler.max_total_num_tokens)
+
+    def _digest(self, scheduler: Any) -> RankDigest:
+        counters = self.runtime.pager.counters
+        ledger = self.tp_sync.ledger if self.tp_sync is not None else None
+        return RankDigest(
+            iteration=self.iteration,
+            commits_crc=self.commits_crc,
+            transitions=counters.transitions,
+            bytes_to_kv=counters.bytes_to_kv,
+            kv_capacity_tokens=int(scheduler.max_total_num_tokens),
+            kv_available_tokens=int(scheduler.token_to_kv_pool_allocator.available_size()),
+            fences_recorded=ledger.recorded if ledger is not None else 0,
+        )
 
     def _waiting_blocks(self, scheduler: Any, free_blocks: int) -> int:
         """Blocks the first waiting request lacks (0 if it fits, nothing waits, or it could never fit).
@@ -180,6 +211,7 @@ class PagedWeightScheduler:
         return {
             "elastic_kv": kv.state_dict() if kv is not None else None,
             "iteration": self.iteration,
+            "reloads_held": self.reloads_held,
             "policy": type(self.controller.policy).__name__,
             "kv": {
                 "capacity_blocks": self.capacity_blocks,
@@ -193,6 +225,7 @@ class PagedWeightScheduler:
                 "relax_signals": sig.relax_signals,
             },
             "gpu_memory": _gpu_memory(self.forward_stream),
+            "tp": self.tp_sync.state() if self.tp_sync is not None else None,
             **self.runtime.state(include_blocks=True),
         }
 

@@ -1,18 +1,31 @@
 """Keep PagedWeight's decisions identical on every tensor-parallel rank.
 
-Each TP rank holds its shard of every expert block and runs its own pager, so all ranks must commit the
-same bitwidths at the same scheduler iteration. The KV allocator and radix cache are identical on every
-rank (they schedule the same batches), but a policy also reads the clock and the routing statistics,
-which a rank samples at its own moments. So the first rank of the TP group samples the step's inputs and
-broadcasts them over the TP CPU group; every rank then runs the same deterministic controller step.
+Each TP rank holds its shard of every expert block and runs its own pager and elastic KV cache, so all
+ranks must commit the same bitwidths and move the same number of KV tokens at the same scheduler
+iteration. Two things differ between ranks and are agreed on once per iteration, in one collective over
+the TP CPU group:
+
+- the step's inputs: a policy reads the clock and the routing statistics, which a rank samples at its own
+  moments, so the first rank's sample is used everywhere;
+- fence completion: a CUDA event completes at its own moment on each rank, so a fence counts as done only
+  once every rank's device has completed it (runtime/fence_ledger.py).
+
+Every rank also reports a digest of what it has done so far (committed bitwidths, transitions, bytes
+handed to the KV cache, KV capacity); a digest that differs between ranks is a bug, logged with both sides
+and counted in the state endpoint, which is how the two-GPU benchmark proves the ranks stayed in step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
 import torch.distributed as dist
+
+from pagedweight.runtime.fence_ledger import FenceLedger
+
+logger = logging.getLogger("pagedweight")
 
 
 @dataclass(frozen=True)
@@ -24,19 +37,88 @@ class StepInputs:
     routing: Optional[Mapping[tuple[int, int], float]]
     # KV blocks the first waiting request needs beyond what is free now (0 when it fits or nothing waits).
     waiting_blocks: int = 0
+    # An operator's hold on reloads (set_internal_state paged_weight_hold_reloads), as the source rank has it.
+    reloads_held: bool = False
 
 
-class StepInputBroadcast:
-    """Broadcast the source rank's StepInputs to the group (one small pickled object per iteration)."""
+@dataclass(frozen=True)
+class RankDigest:
+    """What one rank has done by the start of an iteration; equal on every rank when they are in step."""
 
-    def __init__(self, group: Any, src_global_rank: int, is_src: bool):
+    iteration: int
+    commits_crc: int  # running CRC-32 of every (block, bits) commit, in order
+    transitions: int
+    bytes_to_kv: int
+    kv_capacity_tokens: int
+    kv_available_tokens: int
+    fences_recorded: int
+
+
+@dataclass(frozen=True)
+class _RankReport:
+    inputs: Optional[StepInputs]  # the source rank's only
+    fences_done: tuple[int, ...]
+    digest: RankDigest
+
+
+class TpStepSync:
+    """One all-gather per iteration: the source rank's inputs, agreed fences, digests of every rank."""
+
+    def __init__(self, group: Any, src_global_rank: int, is_src: bool, ledger: Optional[FenceLedger] = None):
         self.group = group
         self.src = src_global_rank
         self.is_src = is_src
-        self.broadcasts = 0
+        self.ledger = ledger  # None: fences are each rank's own (tests' control runs only)
+        self.world_size = dist.get_world_size(group)
+        self.exchanges = 0
+        self.digest_mismatches = 0
+        self.last_digests: list[RankDigest] = []
 
-    def __call__(self, local: StepInputs) -> StepInputs:
-        box = [local if self.is_src else None]
-        dist.broadcast_object_list(box, src=self.src, group=self.group)
-        self.broadcasts += 1
-        return box[0]
+    def __call__(self, local: StepInputs, digest: RankDigest) -> StepInputs:
+        done = self.ledger.local_done() if self.ledger is not None else ()
+        report = _RankReport(local if self.is_src else None, done, digest)
+        reports: list[Any] = [None] * self.world_size
+        dist.all_gather_object(reports, report, group=self.group)
+        self.exchanges += 1
+        if self.ledger is not None:
+            self.ledger.agree([r.fences_done for r in reports])
+        self._check([r.digest for r in reports])
+        return next(r.inputs for r in reports if r.inputs is not None)
+
+    def _check(self, digests: list[RankDigest]) -> None:
+        self.last_digests = digests
+        if all(d == digests[0] for d in digests[1:]):
+            return
+        self.digest_mismatches += 1
+        if self.digest_mismatches <= 5 or self.digest_mismatches % 1000 == 0:
+            logger.error(
+                "PagedWeight: TP ranks out of step (mismatch %d): %s",
+                self.digest_mismatches, "; ".join(f"rank {i}: {d}" for i, d in enumerate(digests)),
+            )
+
+    def state(self) -> dict:
+        return {
+            "world_size": self.world_size,
+            "exchanges": self.exchanges,
+            "digest_mismatches": self.digest_mismatches,
+            "fences_agreed": self.ledger.agreed if self.ledger is not None else None,
+            "fences_pending": self.ledger.pending if self.ledger is not None else None,
+            "ranks": [asdict(d) for d in self.last_digests],
+        }
+
+
+def make_tp_sync(pager: Any, kv: Any, group: Any, src_global_rank: int, is_src: bool, agree_fences: bool = True) -> TpStepSync:
+    """Route the pager's and the KV backing's fences through one ledger and return the iteration sync.
+
+    Call while the pager is idle (after the initial load drained): fences recorded before this point would
+    be polled rank by rank. `agree_fences=False` exists for control runs in tests."""
+    ledger = None
+    if agree_fences:
+        if not pager.idle():
+            raise RuntimeError("make_tp_sync needs an idle pager: fences already in flight would be polled per rank")
+        ledger = FenceLedger()
+        pager.fences = ledger.wrap_factory(pager.fences)
+        pager.copier = ledger.wrap_copier(pager.copier)
+        if kv is not None:
+            kv.backing.wrap_fences(ledger.wrap_event_fn)
+    return TpStepSync(group, src_global_rank, is_src, ledger)

@@ -42,3 +42,13 @@ CPU_SERVER_FLAGS = [
     "--chunked-prefill-size", "512",
     "--skip-server-warmup",
 ]
+
+
+def pressure_server_flags(flags: list[str], max_total_tokens: int = 700) -> list[str]:
+    """CPU server flags for a benchmark script that sets --mem-fraction-static itself: a small KV cache and
+    watermarks (offload below half free, reload above 80% free) that a 6-request burst crosses."""
+    out = list(flags)
+    i = out.index("--mem-fraction-static")
+    del out[i:i + 2]
+    out[out.index("--max-total-tokens") + 1] = str(max_total_tokens)
+    return out + ["--paged-weight-kv-low-watermark", "0.5", "--paged-weight-kv-high-watermark", "0.8"]

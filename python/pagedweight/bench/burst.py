@@ -104,6 +104,8 @@ class BurstResult:
     latency_median_s: Optional[float]
     nan_logprobs: int
     errors: list[str]
+    # Sum over completed requests of (tokens - 1) / (latency - TTFT): the decode rate while all run together.
+    decode_tok_per_s: Optional[float] = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,4 +140,14 @@ def run_burst(url: str, spec: BurstSpec, timeout_s: float = 1800.0) -> BurstResu
         latency_median_s=round(statistics.median(o.latency_s for o in outs), 4) if outs else None,
         nan_logprobs=sum(o.nan_logprobs for o in outs),
         errors=[o.error for o in outs if o.error][:10],
+        decode_tok_per_s=_decode_rate(outs),
     )
+
+
+def _decode_rate(outs: list[RequestOutcome]) -> Optional[float]:
+    rates = [
+        (o.completion_tokens - 1) / (o.latency_s - o.ttft_s)
+        for o in outs
+        if o.ok and o.ttft_s is not None and o.completion_tokens > 1 and o.latency_s > o.ttft_s
+    ]
+    return round(sum(rates), 2) if rates else None

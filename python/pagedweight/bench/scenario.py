@@ -116,6 +116,7 @@ def run_system(spec: SystemSpec, common: list[str], workload: Workload, opts: Ru
             result["pager_counters"] = pw.get("counters")
             result["elastic_kv_end"] = pw.get("elastic_kv")
             result["gpu_memory_end"] = pw.get("gpu_memory")
+            result["tp_end"] = pw.get("tp")
     except Exception as e:  # noqa: BLE001 - a failed system is a result; the others still run
         result["error"] = f"{type(e).__name__}: {e}"
         print(f"[{spec.name}] FAILED: {result['error']}", flush=True)
@@ -143,3 +144,25 @@ def machine_description() -> str:
     except Exception:  # noqa: BLE001
         pass
     return f"{platform.processor() or platform.machine()}, CPU only, {os.cpu_count()} cores"
+
+
+def start_results(a: Any, argv: Optional[list[str]]) -> tuple[Path, RunOptions, dict[str, Any], dict[str, Any]]:
+    """For a benchmark script's parsed args `a` (out, model_path, sample_interval_s, start_timeout_s,
+    quiet_timeout_s, port): the results path, run options (server logs next to the results), the model's
+    config.json and the results document's common fields (command, machine, date, model, no systems yet)."""
+    import json
+    import sys
+
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    opts = RunOptions(out.parent / "logs", a.sample_interval_s, a.start_timeout_s, a.quiet_timeout_s, a.port)
+    opts.log_dir.mkdir(exist_ok=True)
+    cfg = json.loads((Path(a.model_path) / "config.json").read_text())
+    doc: dict[str, Any] = {
+        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+        "machine": machine_description(),
+        "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "model": f"{a.model_path} ({cfg.get('architectures', ['?'])[0]}, {cfg.get('num_hidden_layers')} layers)",
+        "systems": [],
+    }
+    return out, opts, cfg, doc

@@ -29,6 +29,10 @@ class StateSample:
     queued_blocks: Optional[int] = None
     gpu_free_bytes: Optional[int] = None  # torch.cuda.mem_get_info() in the scheduler process
     block_bits: Optional[str] = None  # one digit per block; None when unchanged since the last sample
+    # TP > 1: every rank's KV capacity and transitions (from the ranks' digests), and digest mismatches so far.
+    tp_kv_capacity_tokens: Optional[list[int]] = None
+    tp_transitions: Optional[list[int]] = None
+    tp_digest_mismatches: Optional[int] = None
 
 
 def summarize_state(info: dict[str, Any], t_s: float) -> StateSample:
@@ -60,6 +64,11 @@ def summarize_state(info: dict[str, Any], t_s: float) -> StateSample:
     sample.queued_blocks = pw.get("queued_blocks")
     gpu = pw.get("gpu_memory") or {}
     sample.gpu_free_bytes = gpu.get("free_bytes")
+    tp = pw.get("tp") or {}
+    if tp.get("ranks"):
+        sample.tp_kv_capacity_tokens = [d["kv_capacity_tokens"] for d in tp["ranks"]]
+        sample.tp_transitions = [d["transitions"] for d in tp["ranks"]]
+        sample.tp_digest_mismatches = tp.get("digest_mismatches")
     blocks = pw.get("blocks")
     if blocks:
         sample.block_bits = "".join(str(int(b[3])) for b in blocks)

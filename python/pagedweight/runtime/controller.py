@@ -62,7 +62,10 @@ class PagingController:
         evictable_blocks: int = 0,
         observation: Optional[Observation] = None,
         waiting_blocks: int = 0,
+        allow_reload: bool = True,
     ) -> StepReport:
+        """`allow_reload=False` (an operator's hold) keeps the current plan under relax: no KV shrink, no
+        reload; offloads under pressure still run, since refusing them would starve the KV cache."""
         reading = self.signal.update(available_blocks, evictable_blocks, waiting_blocks)
         obs = dataclasses.replace(
             observation or Observation(), kv_free_blocks=reading.free_blocks, kv_pressure_bytes=reading.target_bytes
@@ -77,7 +80,7 @@ class PagingController:
                 if plan.steps:
                     self.pager.submit(plan, direction="offload")
                     offload = plan
-        elif reading.relax:
+        elif reading.relax and allow_reload:
             if self.kv is not None and reading.relax_bytes:
                 released = self.kv.shrink(reading.relax_bytes)
             spare = self.pager.budget.free - self.pager.pending_reload_bytes() - self.reload_headroom_bytes

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 from pagedweight.format.layout import BlockSpec
 from pagedweight.runtime.blocks import BlockKey, check_key
@@ -86,10 +86,12 @@ class WeightPageTable:
     def __init__(
         self,
         blocks: Sequence[tuple[BlockKey, BlockSpec]],
-        initial_bits: int,
+        initial_bits: "int | Mapping[BlockKey, int]",
         floor_bits: Optional[int] = None,
         ceiling_bits: Optional[int] = None,
     ) -> None:
+        # An int starts every block there (clamped to its limits); a mapping (a checked bits map) gives each
+        # block its own start.
         self._rows: list[BlockRow] = []
         self._by_key: dict[BlockKey, int] = {}
         self._owner: dict[int, tuple[int, str, int]] = {}  # handle -> (block_id, "plane"|"table", index)
@@ -108,7 +110,7 @@ class WeightPageTable:
                 key=key,
                 spec=spec,
                 committed_bits=0,
-                desired_bits=min(max(initial_bits, floor), ceiling),
+                desired_bits=min(max(initial_bits if isinstance(initial_bits, int) else initial_bits[key], floor), ceiling),
                 floor_bits=floor,
                 ceiling_bits=ceiling,
                 planes=[None] * spec.bits_max,
