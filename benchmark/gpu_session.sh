@@ -55,6 +55,7 @@ if [ "$stage" = pressure ]; then
     --mem-fraction-static "${PRESSURE_MEM_FRACTION:-0.33}" --input-len "${PRESSURE_INPUT_LEN:-2048}" \
     --output-len "${PRESSURE_OUTPUT_LEN:-384}" --paged-weight-min-bits "${PRESSURE_MIN_BITS:-3}" \
     --systems "${PRESSURE_SYSTEMS:-pagedweight_poison,static_bf16,pagedweight}" \
+    ${PRESSURE_NUM_REQUESTS:+--num-requests $PRESSURE_NUM_REQUESTS} \
     --extra-server-args "--attention-backend triton --sampling-backend pytorch --cuda-graph-max-bs 128" \
     --out "$OUT/pressure.json" 2>&1 | tee "$OUT/pressure.log" | grep -v "^\[20" | tail -40
   pkill -f "sglang[.]launch_server"; sleep 3

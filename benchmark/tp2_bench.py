@@ -92,7 +92,10 @@ class Tp2Workload:
         if i == 1:  # after the quiet period that followed the released hold: every block is back
             return {"probes_reloaded": probes(url, a, self.vocab), "state": _slim(paged_state(server_info(url)))}
         r: dict[str, Any] = {"decode_tok_per_s": decode_rates(url, a, self.vocab),
-                             "probes_start": probes(url, a, self.vocab)}
+                             "probes_start": probes(url, a, self.vocab),
+                             # The same probes again on the same server and plan: the kernels' split-K
+                             # atomics may reorder fp32 sums, so this is the baseline for "identical".
+                             "probes_start_repeat": probes(url, a, self.vocab)}
         hold(url, True)
         try:
             cap = info.get("kv_max_tokens") or info["max_total_num_tokens"]
@@ -146,11 +149,25 @@ def headline(results: list[dict[str, Any]]) -> dict[str, Any]:
         "reload_s": ((pw.get("quiets") or [{}])[0]).get("reload_s"),
         "outputs_identical_to_bits_map_server": (map_probes == r0.get("probes_held")) if map_probes else None,
         "outputs_identical_after_reload": (r1.get("probes_reloaded") == r0.get("probes_start")) if r1 else None,
+        "outputs_repeatable_on_one_server": (r0.get("probes_start_repeat") == r0.get("probes_start"))
+        if r0.get("probes_start_repeat") else None,
+        "probe_prefix_agreement_bits_map": _prefix_agreement(map_probes, r0.get("probes_held")),
         "held_plan_changes_outputs": (r0.get("probes_held") != r0.get("probes_start")) if r0.get("probes_held") else None,
         "decode_tok_per_s": {name: decode(r) for name, r in by.items()},
         "decode_ratio_vs_stock": ratio,
         "decode_ratio_vs_stock_at_held_plan": ratio_map,
     }
+
+
+def _prefix_agreement(a: Optional[list], b: Optional[list]) -> Optional[float]:
+    """Mean over probes of the fraction of output tokens before the first difference (1.0: identical)."""
+    if not a or not b or len(a) != len(b):
+        return None
+    fr = []
+    for x, y in zip(a, b):
+        n = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        fr.append(n / max(len(x), 1))
+    return round(sum(fr) / len(fr), 4)
 
 
 def markdown(doc: dict[str, Any]) -> str:

@@ -43,6 +43,7 @@ def test_tp2_bench_script_cpu(ap_qwen2_moe, tiny_qwen2_moe, server_env, cpu_serv
     assert any(int(b) < 8 for b in h["held_plan_histogram"]), h["held_plan_histogram"]
     assert h["outputs_identical_to_bits_map_server"] is True
     assert h["outputs_identical_after_reload"] is True
+    assert h["outputs_repeatable_on_one_server"] is True and h["probe_prefix_agreement_bits_map"] == 1.0
     assert h["reload_s"] is not None
     assert set(h["decode_tok_per_s"]) == {"stock", "pagedweight", "pagedweight_bits_map"}
     assert set(h["decode_ratio_vs_stock"]) == {"1", "2"} and all(v > 0 for v in h["decode_ratio_vs_stock"].values())
