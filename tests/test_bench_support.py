@@ -7,14 +7,16 @@ import math
 import pytest
 
 from pagedweight.bench.burst import BurstSpec, _count_bad_logprobs, percentile
-from pagedweight.bench.prometheus import parse_prometheus, retracted_requests
+from pagedweight.bench.prometheus import parse_prometheus, retracted_requests, retractions_in_log
 from pagedweight.bench.state_sampler import summarize_state
 
-PROM = """# HELP sglang:num_retracted_reqs_total retracted
-# TYPE sglang:num_retracted_reqs_total counter
-sglang:num_retracted_reqs_total{model_name="m",tp_rank="0"} 3.0
-sglang:num_retracted_reqs_total{model_name="m",tp_rank="1"} 2.0
-sglang:num_retracted_reqs_created{model_name="m"} 1.7e9
+# As SGLang 0.5.17 exports it (the attribute is num_retracted_reqs_total, the name differs).
+PROM = """# HELP sglang:num_retracted_requests_total retracted
+# TYPE sglang:num_retracted_requests_total counter
+sglang:num_retracted_requests_total{model_name="m",tp_rank="0"} 3.0
+sglang:num_retracted_requests_total{model_name="m",tp_rank="1"} 2.0
+sglang:num_retracted_requests_created{model_name="m"} 1.7e9
+sglang:num_retracted_reqs{model_name="m"} 1.0
 sglang:gen_throughput{model_name="m"} NaN
 sglang:token_usage{model_name="m"} 0.25
 """
@@ -22,10 +24,19 @@ sglang:token_usage{model_name="m"} 0.25
 
 def test_parse_prometheus_sums_label_sets_and_skips_nan():
     m = parse_prometheus(PROM)
-    assert m["sglang:num_retracted_reqs_total"] == 5.0
+    assert m["sglang:num_retracted_requests_total"] == 5.0
     assert m["sglang:token_usage"] == 0.25
     assert "sglang:gen_throughput" not in m
     assert retracted_requests(m) == 5
+
+
+def test_retractions_in_the_scheduler_log():
+    lines = [
+        "[2026-11-29 14:07:59] KV cache pool is full. Retract requests. #retracted_reqs: 1, #new_tokens_gained: 1685",
+        "[2026-11-29 14:08:00] KV cache pool is full. Retract requests. #retracted_reqs: 3, #new_tokens_gained: 1200",
+        "server_args=ServerArgs(retraction_policy='length')",
+    ]
+    assert retractions_in_log(lines) == 4
 
 
 def test_retractions_absent_counter_is_zero_only_with_sglang_metrics():

@@ -37,8 +37,10 @@ def test_pressure_bench_cpu(ap_qwen2_moe, tiny_qwen2_moe, server_env, cpu_server
                       "throughput_ratio_vs_static_bf16"}
     assert h["oom"] == 0 and h["poison_nan"] == 0
     assert h["transitions"] > 0 and h["throughput_ratio_vs_static_bf16"] > 0
-    assert isinstance(h["retractions_static_bf16"], int) and isinstance(h["retractions_pagedweight"], int)
+    # The counter read from /metrics must agree with the scheduler's own log lines (the GPU run, where stock
+    # SGLang retracts, is docs/results/pressure.md; on this small CPU setup it queues instead).
     poison, bf16 = doc["systems"]
+    assert bf16["retractions"] == bf16["retractions_logged"] and poison["retractions"] == poison["retractions_logged"]
     assert not poison.get("error") and not bf16.get("error")
     assert [r["completed"] for r in poison["rounds"]] == [6, 6] and bf16["rounds"][0]["completed"] == 6
     assert all(q["reload_s"] is not None for q in poison["quiets"])  # back to 8 bits after each burst

@@ -23,8 +23,8 @@ def test_head_of_line_demand_is_prompt_plus_expected_output():
     assert big == 10 + CLIP_MAX_NEW_TOKENS  # SGLang's clip of the output estimate
 
 
-def _pws(page=4, max_tokens=1000, queue_aware=True):
-    kv = SimpleNamespace(max_tokens=max_tokens)
+def _pws(page=4, max_tokens=1000, queue_aware=True, capacity_tokens=400):
+    kv = SimpleNamespace(max_tokens=max_tokens, capacity_tokens=capacity_tokens)
     return PagedWeightScheduler(runtime=None, controller=SimpleNamespace(kv=kv), page_size=page, capacity_blocks=100,
                                 queue_aware=queue_aware)
 
@@ -40,6 +40,21 @@ def test_waiting_blocks_counts_only_what_is_missing():
 def test_a_request_no_plan_can_fit_is_not_pressure():
     pws = _pws(page=1, max_tokens=500)
     assert pws._waiting_blocks(_sched([_req(600, 0)]), free_blocks=10) == 0
+
+
+def test_a_lack_the_weights_cannot_cover_now_is_not_pressure():
+    """Capacity 400 of at most 500 tokens: the weights can give 100 more. A request lacking 90 counts; one
+    lacking 150 must wait for running requests to finish, so it does not push bitwidths down."""
+    pws = _pws(page=1, max_tokens=500, capacity_tokens=400)
+    assert pws._waiting_blocks(_sched([_req(300, 0)]), free_blocks=210) == 90
+    assert pws._waiting_blocks(_sched([_req(300, 0)]), free_blocks=150) == 0
+    pws.controller.kv.capacity_tokens = 350  # after shrinking: 150 can be given back again
+    assert pws._waiting_blocks(_sched([_req(300, 0)]), free_blocks=150) == 150
+
+
+def test_without_an_elastic_cache_waiting_is_never_pressure():
+    pws = PagedWeightScheduler(runtime=None, controller=SimpleNamespace(kv=None), page_size=1, capacity_blocks=100)
+    assert pws._waiting_blocks(_sched([_req(300, 0)]), free_blocks=250) == 0
 
 
 def test_queue_awareness_can_be_switched_off():

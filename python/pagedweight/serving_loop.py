@@ -178,22 +178,27 @@ class PagedWeightScheduler:
         )
 
     def _waiting_blocks(self, scheduler: Any, free_blocks: int) -> int:
-        """Blocks the first waiting request lacks (0 if it fits, nothing waits, or it could never fit).
+        """Blocks the first waiting request lacks: 0 if it fits, nothing waits, or lowering bitwidths could not
+        make it fit now.
 
         The pressure signal counts free blocks; on long-context work that is not enough: SGLang admits a long
         prompt only when it fits, so the cache can keep more free blocks than the low watermark while long
-        requests queue. Counting the head-of-line request's demand lets the weights make room for it."""
+        requests queue. Counting the head-of-line request's demand lets the weights make room for it. But
+        only when the room the weights can still give (the elastic cache's maximum minus its capacity now)
+        covers what the request lacks: otherwise it must wait for running requests to finish whatever the
+        bitwidths, and lowering them would cost quality for nothing (seen on the H200: a 7k-token prompt
+        pushed every block to the floor, docs/results/longbench.md)."""
         if not self.queue_aware:
             return 0
         demand = head_of_line_demand_tokens(scheduler)
         if demand <= 0:
             return 0
+        lack = max(0, -(-demand // self.page_size) - free_blocks)
         kv = self.controller.kv
-        reachable = kv.max_tokens if kv is not None else scheduler.max_total_num_tokens
-        if demand > reachable:
-            return 0  # no bitwidth plan makes this request fit; SGLang will reject or wait as usual
-        need = -(-demand // self.page_size)
-        return max(0, need - free_blocks)
+        growable = (kv.max_tokens - kv.capacity_tokens) // self.page_size if kv is not None else 0
+        if lack > growable:
+            return 0
+        return lack
 
     def _fresh_routing(self) -> Optional[dict]:
         """New routing statistics when due (on the source rank only under TP), else None (unchanged)."""

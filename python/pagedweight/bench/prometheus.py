@@ -33,12 +33,27 @@ def scrape(url: str, timeout_s: float = 30.0) -> dict[str, float]:
     return parse_prometheus(r.text)
 
 
+# SGLang 0.5.17's counter (python/sglang/srt/observability/metrics_collector.py: `num_retracted_reqs_total`
+# is the attribute, `sglang:num_retracted_requests_total` the exported name).
+RETRACTED_COUNTER = "sglang:num_retracted_requests_total"
+
+
 def retracted_requests(metrics: dict[str, float]) -> int:
-    """Requests SGLang retracted (decode ran out of KV) since start: `sglang:num_retracted_reqs_total`."""
-    for name in ("sglang:num_retracted_reqs_total", "sglang:num_retracted_reqs_total_total"):
-        if name in metrics:
-            return int(metrics[name])
+    """Requests SGLang retracted (decode ran out of KV) since start."""
+    if RETRACTED_COUNTER in metrics:
+        return int(metrics[RETRACTED_COUNTER])
     # A labelled counter is exported only after its first increment: none yet means zero retractions.
+    # Check `retractions_in_log` against it: a renamed counter would otherwise read as zero.
     if any(k.startswith("sglang:") for k in metrics):
         return 0
-    raise KeyError("sglang:num_retracted_reqs_total is not in /metrics: was the server started with --enable-metrics?")
+    raise KeyError(f"{RETRACTED_COUNTER} is not in /metrics: was the server started with --enable-metrics?")
+
+
+def retractions_in_log(lines: list[str]) -> int:
+    """Requests retracted according to the scheduler's log ("KV cache pool is full. Retract requests.
+    #retracted_reqs: N"), the cross-check of the counter."""
+    total = 0
+    for line in lines:
+        if "Retract requests" in line and "#retracted_reqs:" in line:
+            total += int(line.split("#retracted_reqs:", 1)[1].split(",", 1)[0])
+    return total

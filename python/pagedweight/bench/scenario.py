@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 import requests
 
-from pagedweight.bench.prometheus import retracted_requests, scrape
+from pagedweight.bench.prometheus import retracted_requests, retractions_in_log, scrape
 from pagedweight.bench.server_process import launch_server, wait_healthy
 from pagedweight.bench.state_sampler import StateSampler
 
@@ -128,6 +128,7 @@ def run_system(spec: SystemSpec, common: list[str], workload: Workload, opts: Ru
         lines = srv.log().splitlines()
         result["server_died"] = not alive
         result["oom_lines"] = [l for l in lines if OOM_PATTERNS.search(l)][:5]
+        result["retractions_logged"] = retractions_in_log(lines)
         result["plans_logged"] = sum(1 for l in lines if "pagedweight plan:" in l)
         result["server_log"] = str(log)
     return result
