@@ -452,6 +452,34 @@ def test_controller_trades_weight_bytes_for_kv_blocks_and_back() -> None:
     assert kv.capacity == 12 < start_blocks  # T_hi free blocks kept, the rest went back to the weights
 
 
+def test_an_operator_hold_keeps_the_plan_but_not_the_pressure() -> None:
+    """allow_reload=False (set_internal_state paged_weight_hold_reloads=1): a quiet period neither shrinks the
+    KV cache nor reloads; pressure still offloads; releasing the hold reloads."""
+    h = loaded_harness(slack=4096)
+    kv = FakeElasticKV(h.budget, bytes_per_block=256)
+    h.pager.on_bytes_freed = kv.grow
+    ctrl = PagingController(
+        h.pager, ScriptedPolicy(), KVPressureSignal(threshold_blocks=4, bytes_per_block=256, relax_blocks=12, relax_checks=2), kv
+    )
+    full_weights = h.table.committed_bytes()
+
+    def run(demand: int, iterations: int, allow_reload: bool) -> None:
+        for _ in range(iterations):
+            kv.in_use = min(demand, kv.capacity)
+            ctrl.step(available_blocks=kv.capacity - kv.in_use, allow_reload=allow_reload)
+            h.check_invariants()
+            h.complete_copies(len(h.copier.pending))
+            h.complete_fences(len(h.fences.issued))
+
+    run(demand=40, iterations=40, allow_reload=False)  # the hold does not refuse offloads under pressure
+    held_weights, held_capacity = h.table.committed_bytes(), kv.capacity
+    assert held_weights < full_weights
+    run(demand=0, iterations=40, allow_reload=False)  # quiet, but held
+    assert (h.table.committed_bytes(), kv.capacity) == (held_weights, held_capacity)
+    run(demand=0, iterations=40, allow_reload=True)  # released
+    assert h.table.committed_bytes() == full_weights
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_pager_with_vmm_arena_copy_stream_and_events() -> None:
