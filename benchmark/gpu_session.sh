@@ -68,7 +68,7 @@ if [ "$stage" = tp2 ]; then
   python3 benchmark/dummy_model.py --model qwen15moe --out $model >/dev/null
   timeout "${TP2_TIMEOUT:-560}" python3 benchmark/tp2_bench.py --model-path $model --load-format dummy --tp 2 \
     --mem-fraction-static "${TP2_MEM_FRACTION:-0.2}" --systems "${TP2_SYSTEMS:-stock,pagedweight,pagedweight_bits_map}" \
-    --append --extra-server-args "--attention-backend triton --sampling-backend pytorch --cuda-graph-max-bs 64" \
+    --append --extra-server-args "--attention-backend triton --sampling-backend pytorch --cuda-graph-bs-decode 1 2 4 8 16 32 64 --disable-prefill-cuda-graph" \
     --out $work/tp2.json 2>&1 | tee -a "$work/tp2.log" | grep -v "^\[20" | tail -40
   pkill -f "sglang[.]launch_server"; sleep 3
   cp $work/tp2.json $work/tp2.md $work/tp2_held_plan.json "$OUT/" 2>/dev/null

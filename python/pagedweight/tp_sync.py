@@ -21,6 +21,7 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
+import torch
 import torch.distributed as dist
 
 from pagedweight.runtime.fence_ledger import FenceLedger
@@ -120,5 +121,10 @@ def make_tp_sync(pager: Any, kv: Any, group: Any, src_global_rank: int, is_src: 
         pager.fences = ledger.wrap_factory(pager.fences)
         pager.copier = ledger.wrap_copier(pager.copier)
         if kv is not None:
+            # KV memory parked before this point (e.g. by SGLang's post-capture resize) waits on raw events
+            # that each rank would release at its own moment: wait for them once here, on every rank.
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            kv.poll()
             kv.backing.wrap_fences(ledger.wrap_event_fn)
     return TpStepSync(group, src_global_rank, is_src, ledger)
