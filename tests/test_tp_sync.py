@@ -198,3 +198,50 @@ def test_make_tp_sync_refuses_a_busy_pager():
 
     with pytest.raises(RuntimeError, match="idle pager"):
         make_tp_sync(_Busy(), None, None, 0, True)
+
+
+class _EventFences:
+    def record(self) -> _Event:
+        return _Event()
+
+
+class _EventCopier:
+    def copy(self, pairs) -> _Event:
+        return _Event()
+
+
+class _IdlePager:
+    def __init__(self) -> None:
+        self.fences, self.copier = _EventFences(), _EventCopier()
+
+    def idle(self) -> bool:
+        return True
+
+
+class _ParkedKV:
+    def __init__(self) -> None:
+        from pagedweight.elastic_kv_backing import VmmKVBacking
+
+        self.polls = 0
+        self.backing = VmmKVBacking.__new__(VmmKVBacking)  # only its fence hook is exercised (no CUDA here)
+        self.backing._fence = lambda stream: _Event()
+
+    def poll(self) -> int:
+        self.polls += 1
+        return 0
+
+
+def test_make_tp_sync_routes_every_fence_source_through_the_ledger(tmp_path):
+    from pagedweight.tp_sync import make_tp_sync
+
+    pager, kv = _IdlePager(), _ParkedKV()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        sync = make_tp_sync(pager, kv, dist.group.WORLD, 0, True)
+    finally:
+        dist.destroy_process_group()
+    assert kv.polls == 1  # memory parked before the ledger existed is released once, on every rank
+    fence = kv.backing._fence(None)
+    assert fence.seq == 0 and not fence.query()  # a KV release fence is now a ledger fence
+    assert pager.fences.record().seq == 1 and pager.copier.copy([]).seq == 2
+    assert sync.ledger.recorded == 3
