@@ -42,5 +42,15 @@ def ap_qwen2_moe(work_dir, tiny_qwen2_moe) -> Path:
 
 
 @pytest.fixture(scope="session")
+def ap_qwen2_moe_g32(work_dir, tiny_qwen2_moe) -> Path:
+    """The same with bcq group size 32, so `--tp 2` can split the experts' intermediate size (64) into whole
+    groups on each rank."""
+    from pagedweight.convert import convert_checkpoint
+
+    return convert_checkpoint(tiny_qwen2_moe, work_dir / "ap-qwen2-moe-g32", bits_min=2, bits_max=8, seed=0,
+                              group_size=32)
+
+
+@pytest.fixture(scope="session")
 def cpu_server_flags() -> list[str]:
     return list(CPU_SERVER_FLAGS)

@@ -30,6 +30,20 @@ def cpu_server_env(libcuda_dir: Path) -> dict[str, str]:
     return env
 
 
+def cpu_tp_env(env: dict[str, str], tp: int) -> dict[str, str]:
+    """`cpu_server_env` for `--tp N` on the CPU engine (N scheduler ranks, gloo between them):
+    - SGLANG_CPU_OMP_THREADS_BIND gives each rank its cores (SGLang refuses more ranks than NUMA nodes
+      without it); ranks share cores on a machine with fewer than N;
+    - SGLANG_NCCL_SO_PATH names a library that does not exist, so SGLang's TP group skips its NCCL
+      communicator (the PyPI torch wheel ships libnccl, and opening a communicator needs a CUDA device)."""
+    cores = os.cpu_count() or 1
+    out = dict(env)
+    out["OMP_NUM_THREADS"] = str(max(1, cores // tp))
+    out["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(tp))
+    out["SGLANG_NCCL_SO_PATH"] = "/nonexistent/libnccl.so.2"
+    return out
+
+
 CPU_SERVER_FLAGS = [
     "--device", "cpu",
     "--attention-backend", "torch_native",
