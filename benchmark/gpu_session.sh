@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # GPU-machine session (see ../shared/devicekit/README.md): run after the three devicekit parts are installed.
+#   bash benchmark/gpu_session.sh tests     # GPU correctness tests only (runtime, kernels, TP sync on one GPU)
 #   bash benchmark/gpu_session.sh kernels   # GPU correctness tests + SGLang baseline + AP kernel benchmark
 #   bash benchmark/gpu_session.sh serve     # server smoke test + bench_one_batch stock bf16 vs AP 4-bit
 #   bash benchmark/gpu_session.sh pressure  # KV-pressure bursts: PagedWeight (+poison) vs stock bf16, same budget
@@ -16,6 +17,12 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/site . >/tmp/pw_install.log 2>&1 \
   || { cat /tmp/pw_install.log; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 
+
+if [ "$stage" = tests ]; then
+  # GPU correctness only: runtime (VMM arena, pager, copy stream), kernels, and two TP processes on one GPU.
+  timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_tp_sync.py tests/test_runtime_*.py \
+    tests/test_kernel_*.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
+fi
 
 if [ "$stage" = kernels ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_runtime_*.py tests/test_kernel_*.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
@@ -85,6 +92,7 @@ if [ "$stage" = longbench ]; then
     --passkey-filler 300 >/dev/null && rm -f /tmp/lb/passage_retrieval_en_e.jsonl
   timeout "${LB_TIMEOUT:-420}" python3 benchmark/longbench_pressure.py --ap-model $ap --bf16-model $moe \
     --data-dir /tmp/lb --bf16-kv-tokens "${LB_KV_TOKENS:-12000}" --uniform-bits 3 --pw-bits 8 --pw-min-bits 3 \
+    --systems "${LB_SYSTEMS:-pagedweight,static_bf16,uniform_ap}" \
     --concurrency 16 --max-prompt-tokens 7500 \
     --extra-server-args "--attention-backend triton --sampling-backend pytorch --cuda-graph-max-bs 32" \
     --out "$OUT/longbench.json" 2>&1 | tee "$OUT/longbench.log" | grep -v "^\[20" | tail -30

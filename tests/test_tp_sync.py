@@ -77,10 +77,10 @@ class _Scheduler:
         self.max_total_num_tokens = 1000
 
 
-def _stores(rank: int):
+def _stores(rank: int, device: torch.device):
     from tests.support.random_stores import random_layer_stores
 
-    stores = random_layer_stores(LAYERS, EXPERTS)
+    stores = random_layer_stores(LAYERS, EXPERTS, device=device)
     for store in stores:
         layer = store.layer_id
         mass = torch.arange(1, EXPERTS + 1, dtype=torch.float32) * (layer + 1)
@@ -99,16 +99,19 @@ def _worker(rank: int, init_file: str, mode: str, out_dir: str) -> None:
         from pagedweight.serving_loop import PagedWeightScheduler
         from pagedweight.tp_sync import make_tp_sync
 
-        runtime = PagedRuntime.build(PagedWeightConfig(enable=True, bits=8), _stores(rank), torch.device("cpu"))
+        cuda = mode == "cuda"
+        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        runtime = PagedRuntime.build(PagedWeightConfig(enable=True, bits=8), _stores(rank, device), device)
         signal = KVPressureSignal(threshold_blocks=100, bytes_per_block=512, relax_blocks=400, relax_checks=2)
         policy = make_policy("hotness", options={"interval_s": 0.001})
         controller = PagingController(runtime.pager, policy, signal, reload_headroom_bytes=runtime.reload_headroom_bytes)
         clock = _Clock()
-        runtime.pager.fences = _SkewedFences(clock, rank)
-        runtime.pager.copier = _SkewedCopier(runtime.pager.copier, clock, rank)
+        if not cuda:  # on CUDA the fences are real events (VMM arena, copy stream)
+            runtime.pager.fences = _SkewedFences(clock, rank)
+            runtime.pager.copier = _SkewedCopier(runtime.pager.copier, clock, rank)
         tp = None
         if mode != "none":
-            tp = make_tp_sync(runtime.pager, None, dist.group.WORLD, 0, rank == 0, agree_fences=mode == "full")
+            tp = make_tp_sync(runtime.pager, None, dist.group.WORLD, 0, rank == 0, agree_fences=mode in ("full", "cuda"))
         state = PagedWeightScheduler(runtime, controller, page_size=1, capacity_blocks=1000, tp_sync=tp)
         sched = _Scheduler()
         trace = []
@@ -118,6 +121,10 @@ def _worker(rank: int, init_file: str, mode: str, out_dir: str) -> None:
             # (a few blocks must go down: which ones is the policy's choice), quiet in between.
             sched.token_to_kv_pool_allocator.free = 95 if i % 10 == 0 else 900
             state._routing_at = -1.0  # sample routing every step (rank 0's sample is what counts under sync)
+            if cuda:
+                # Rank 1's device runs behind (a busy kernel before each step's work), so its events complete
+                # later than rank 0's, as on a slower or busier GPU.
+                torch.cuda._sleep(2_000_000 * (1 + rank * (i % 3)))
             state.step(sched)
             trace.append([[r.committed_bits for r in runtime.table], runtime.pager.counters.bytes_to_kv])
         tp_state = tp.state() if tp is not None else None
@@ -143,6 +150,19 @@ def test_exchange_keeps_ranks_identical(tmp_path):
     assert r0["trace"] == r1["trace"]
     assert r0["tp"]["digest_mismatches"] == 0 and r1["tp"]["digest_mismatches"] == 0
     assert r0["tp"]["exchanges"] == STEPS and r0["tp"]["fences_agreed"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.timeout(600)
+def test_exchange_keeps_cuda_ranks_identical(tmp_path):
+    """Two processes on one GPU, each with the real CUDA runtime (VMM arena, copy stream, CUDA events); rank 1's
+    device runs behind. With the exchange both commit the same bitwidths and free the same bytes at every
+    iteration, whatever their events say locally."""
+    r0, r1 = _run(tmp_path, "cuda")
+    assert any(any(b < 8 for b in step[0]) for step in r0["trace"]), "the dips should have lowered some bitwidths"
+    assert r0["trace"] == r1["trace"]
+    assert r0["tp"]["digest_mismatches"] == 0 and r0["tp"]["fences_agreed"] > 0
 
 
 @pytest.mark.timeout(600)
