@@ -159,7 +159,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-prompt-tokens", type=int, default=7500)
     p.add_argument("--sample-interval-s", type=float, default=1.0)
-    p.add_argument("--start-timeout-s", type=float, default=300.0)
+    p.add_argument("--start-timeout-s", type=float, default=480.0,
+                   help="a fresh GPU machine JIT-compiles and captures prefill graphs at the first start (seen: 303 s)")
     p.add_argument("--extra-server-args", default="")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)

@@ -210,7 +210,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--demand-of-max", type=float, default=0.9)
     p.add_argument("--quiet-timeout-s", type=float, default=90.0)
     p.add_argument("--sample-interval-s", type=float, default=1.0)
-    p.add_argument("--start-timeout-s", type=float, default=400.0)
+    p.add_argument("--start-timeout-s", type=float, default=480.0,
+                   help="a fresh GPU machine JIT-compiles and captures prefill graphs at the first start (seen: 303 s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--extra-server-args", default="", help="more flags for every server, one string")
