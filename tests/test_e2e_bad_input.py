@@ -103,3 +103,19 @@ def test_bits_outside_stored_range(ap_qwen2_moe, server_env, cpu_server_flags, t
 
 def test_missing_ap_checkpoint(tiny_qwen2_moe, server_env, cpu_server_flags, tmp_path):
     _refuses(tiny_qwen2_moe, ["--enable-paged-weight"], server_env, cpu_server_flags, tmp_path, "pagedweight convert")
+
+
+@pytest.mark.parametrize(
+    "blocks, needle",
+    [
+        ([[0, 0, "w13", 9, 8]], "at 9 bits is outside 2..8"),
+        ([[0, 99, "w13", 4, 4]], "is not in this model"),
+        ("not a list", "no 'blocks' list"),
+    ],
+)
+def test_bad_bits_map(blocks, needle, ap_qwen2_moe, server_env, cpu_server_flags, tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"blocks": blocks}))
+    _refuses(ap_qwen2_moe, ["--enable-paged-weight", "--paged-weight-bits-map", str(plan)], server_env,
+             cpu_server_flags, tmp_path, "--paged-weight-bits-map", needle)
+    _no_server_left(tmp_path)

@@ -52,6 +52,7 @@ def check_paged_weight_launch(server_args: Any, cfg: PagedWeightConfig) -> None:
         from pagedweight.layer_sources import DUMMY_BITS_MAX, DUMMY_BITS_MIN
 
         _check_bits(cfg, DUMMY_BITS_MIN, DUMMY_BITS_MAX, "the dummy AP planes")
+        _check_bits_map(cfg, DUMMY_BITS_MIN, DUMMY_BITS_MAX, hf_config)
         return
     from pagedweight.format.checkpoint import APCheckpoint, APCheckpointError
 
@@ -63,6 +64,7 @@ def check_paged_weight_launch(server_args: Any, cfg: PagedWeightConfig) -> None:
     except APCheckpointError as e:
         raise PagedWeightStartupError(f"--enable-paged-weight: {e}") from None
     _check_bits(cfg, ckpt.bits_min, ckpt.bits_max, f"the AP checkpoint {ap_dir!r}")
+    _check_bits_map(cfg, ckpt.bits_min, ckpt.bits_max, hf_config)
 
 
 def _check_bits(cfg: PagedWeightConfig, lo: int, hi: int, what: str) -> None:
@@ -71,3 +73,31 @@ def _check_bits(cfg: PagedWeightConfig, lo: int, hi: int, what: str) -> None:
             f"--paged-weight-bits {cfg.bits} is outside the range {lo}..{hi} stored in {what}; pick a bitwidth "
             f"in {lo}..{hi} (or re-convert with `pagedweight convert --bits-min/--bits-max`)"
         )
+
+
+def _check_bits_map(cfg: PagedWeightConfig, lo: int, hi: int, hf_config: dict[str, Any]) -> None:
+    """What can be checked of --paged-weight-bits-map before the model exists: the file's shape, bitwidths
+    inside the stored range and the floor, layers and experts inside the model. That every MoE layer is
+    listed is checked when the page table is built (runtime/bits_map.check_bits_map)."""
+    if cfg.bits_map is None:
+        return
+    from pagedweight.runtime.bits_map import BitsMapError, load_bits_map
+
+    try:
+        bits_map = load_bits_map(cfg.bits_map)
+    except BitsMapError as e:
+        raise PagedWeightStartupError(f"--paged-weight-bits-map: {e}") from None
+    floor = max(lo, cfg.floor_bits or lo)
+    layers = hf_config.get("num_hidden_layers") or (hf_config.get("text_config") or {}).get("num_hidden_layers")
+    experts = num_routed_experts(hf_config)
+    for key, bits in bits_map.items():
+        if not floor <= bits <= hi:
+            raise PagedWeightStartupError(
+                f"--paged-weight-bits-map {cfg.bits_map}: block {key} at {bits} bits is outside {floor}..{hi} (the "
+                "stored range and --paged-weight-min-bits); edit the map or lower --paged-weight-min-bits"
+            )
+        if (layers and key.layer >= layers) or key.expert >= experts:
+            raise PagedWeightStartupError(
+                f"--paged-weight-bits-map {cfg.bits_map}: block {key} is not in this model ({layers} layers, "
+                f"{experts} experts): the map was saved from another model"
+            )
