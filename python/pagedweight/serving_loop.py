@@ -158,11 +158,15 @@ class PagedWeightScheduler:
                 allow_reload=not inputs.reloads_held,
             )
         if report.boundary.committed:
-            rows = self.runtime.table
-            done = [(b, rows.row(b).committed_bits) for b in report.boundary.committed]
-            self.commits_crc = zlib.crc32(struct.pack(f"<{2 * len(done)}i", *(x for pair in done for x in pair)), self.commits_crc)
+            self._record_commits(report.boundary.committed)
         if self.metrics is not None:
             self.metrics.update(self, scheduler.max_total_num_tokens)
+
+    def _record_commits(self, block_ids: tuple[int, ...]) -> None:
+        """Fold this boundary's (block, committed bits) pairs into the running CRC the TP digest compares."""
+        table = self.runtime.table
+        flat = [v for b in block_ids for v in (b, table.row(b).committed_bits)]
+        self.commits_crc = zlib.crc32(struct.pack(f"<{len(flat)}i", *flat), self.commits_crc)
 
     def _digest(self, scheduler: Any) -> RankDigest:
         counters = self.runtime.pager.counters
