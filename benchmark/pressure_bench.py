@@ -24,7 +24,7 @@ import sys
 from typing import Any, Optional
 
 from pagedweight.bench.burst import BurstSpec, run_burst
-from pagedweight.bench.scenario import SystemSpec, run_system, start_results
+from pagedweight.bench.scenario import SystemSpec, add_run_args, run_system, start_results
 
 
 def systems_from_args(a: argparse.Namespace) -> list[SystemSpec]:
@@ -119,20 +119,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--paged-weight-bits", type=int, default=8)
     p.add_argument("--paged-weight-min-bits", type=int, default=3)
     p.add_argument("--policy", default="hotness")
-    p.add_argument("--input-len", type=int, default=2048)
-    p.add_argument("--output-len", type=int, default=384)
-    p.add_argument("--num-requests", type=int, default=None)
-    p.add_argument("--demand-of-max", type=float, default=0.9)
     p.add_argument("--bursts", type=int, default=1, help="bursts for the 'pagedweight' system")
     p.add_argument("--poison-bursts", type=int, default=2)
-    p.add_argument("--quiet-timeout-s", type=float, default=60.0)
-    p.add_argument("--sample-interval-s", type=float, default=1.0)
-    p.add_argument("--start-timeout-s", type=float, default=480.0,
-                   help="a fresh GPU machine JIT-compiles and captures prefill graphs at the first start (seen: 303 s)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--port", type=int, default=None)
-    p.add_argument("--extra-server-args", default="", help="more flags for every server, one string")
-    p.add_argument("--out", required=True)
+    add_run_args(p, quiet_timeout_s=60.0)
     a = p.parse_args(argv)
 
     out, opts, cfg, doc = start_results(a, argv)

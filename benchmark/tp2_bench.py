@@ -33,7 +33,7 @@ from typing import Any, Optional
 import requests
 
 from pagedweight.bench.burst import BurstSpec, run_burst
-from pagedweight.bench.scenario import SystemSpec, paged_state, run_system, server_info, start_results
+from pagedweight.bench.scenario import SystemSpec, add_run_args, paged_state, run_system, server_info, start_results
 
 
 def _post(url: str, path: str, body: Optional[dict] = None, timeout: float = 120) -> Any:
@@ -204,21 +204,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--probes", type=int, default=4)
     p.add_argument("--probe-input-len", type=int, default=64)
     p.add_argument("--probe-output-len", type=int, default=32)
-    p.add_argument("--input-len", type=int, default=2048)
-    p.add_argument("--output-len", type=int, default=384)
-    p.add_argument("--num-requests", type=int, default=None)
-    p.add_argument("--demand-of-max", type=float, default=0.9)
-    p.add_argument("--quiet-timeout-s", type=float, default=90.0)
-    p.add_argument("--sample-interval-s", type=float, default=1.0)
-    p.add_argument("--start-timeout-s", type=float, default=480.0,
-                   help="a fresh GPU machine JIT-compiles and captures prefill graphs at the first start (seen: 303 s)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--port", type=int, default=None)
-    p.add_argument("--extra-server-args", default="", help="more flags for every server, one string")
     p.add_argument("--append", action="store_true",
                    help="keep the servers an earlier call wrote to --out and run only the missing ones (one device "
                         "call can run out of time for all three)")
-    p.add_argument("--out", required=True)
+    add_run_args(p, quiet_timeout_s=90.0)
     a = p.parse_args(argv)
 
     out, opts, cfg, doc = start_results(a, argv)

@@ -139,17 +139,16 @@ class PagedRuntime:
 
 def _table_from_bits_map(cfg: PagedWeightConfig, blocks: list) -> WeightPageTable:
     """The page table started at --paged-weight-bits-map's per-block bitwidths (checked, never clamped)."""
+    from collections import Counter
+
     from pagedweight.runtime.bits_map import check_bits_map, load_bits_map
+    from pagedweight.runtime.page_table import bit_limits
 
     bits_map = load_bits_map(cfg.bits_map)
-    limits_table = WeightPageTable(blocks, initial_bits=8, floor_bits=cfg.floor_bits)
-    check_bits_map(bits_map, [(r.key, r.floor_bits, r.ceiling_bits) for r in limits_table], cfg.bits_map)
-    table = WeightPageTable(blocks, initial_bits=bits_map, floor_bits=cfg.floor_bits)
-    hist: dict[int, int] = {}
-    for row in table:
-        hist[row.desired_bits] = hist.get(row.desired_bits, 0) + 1
-    logger.info("PagedWeight: initial bitwidths from %s: %s blocks per bitwidth", cfg.bits_map, dict(sorted(hist.items())))
-    return table
+    check_bits_map(bits_map, [(BlockKey(*key), *bit_limits(spec, cfg.floor_bits)) for key, spec in blocks], cfg.bits_map)
+    logger.info("PagedWeight: initial bitwidths from %s: %s blocks per bitwidth", cfg.bits_map,
+                dict(sorted(Counter(bits_map.values()).items())))
+    return WeightPageTable(blocks, initial_bits=bits_map, floor_bits=cfg.floor_bits)
 
 
 def find_runtime(model_runner) -> Optional[PagedRuntime]:

@@ -157,7 +157,7 @@ class PagedWeightScheduler:
                 waiting_blocks=inputs.waiting_blocks,
                 allow_reload=not inputs.reloads_held,
             )
-        if report.boundary.committed:
+        if report.boundary.committed and self.tp_sync is not None:  # only the TP digest reads it
             self._record_commits(report.boundary.committed)
         if self.metrics is not None:
             self.metrics.update(self, scheduler.max_total_num_tokens)

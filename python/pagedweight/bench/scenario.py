@@ -147,6 +147,22 @@ def machine_description() -> str:
     return f"{platform.processor() or platform.machine()}, CPU only, {os.cpu_count()} cores"
 
 
+def add_run_args(p: Any, quiet_timeout_s: float) -> None:
+    """The server-run flags every benchmark script shares (what `start_results` and `RunOptions` read)."""
+    p.add_argument("--input-len", type=int, default=2048)
+    p.add_argument("--output-len", type=int, default=384)
+    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--demand-of-max", type=float, default=0.9)
+    p.add_argument("--quiet-timeout-s", type=float, default=quiet_timeout_s)
+    p.add_argument("--sample-interval-s", type=float, default=1.0)
+    p.add_argument("--start-timeout-s", type=float, default=480.0,
+                   help="a fresh GPU machine JIT-compiles and captures prefill graphs at the first start (seen: 303 s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--extra-server-args", default="", help="more flags for every server, one string")
+    p.add_argument("--out", required=True)
+
+
 def start_results(a: Any, argv: Optional[list[str]]) -> tuple[Path, RunOptions, dict[str, Any], dict[str, Any]]:
     """For a benchmark script's parsed args `a` (out, model_path, sample_interval_s, start_timeout_s,
     quiet_timeout_s, port): the results path, run options (server logs next to the results), the model's

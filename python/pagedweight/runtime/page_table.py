@@ -76,6 +76,13 @@ class BlockRow:
         return sum(r.nbytes for r in self.planes if r is not None) + sum(r.nbytes for r in self.tables.values())
 
 
+def bit_limits(spec: BlockSpec, floor_bits: Optional[int] = None, ceiling_bits: Optional[int] = None) -> tuple[int, int]:
+    """(floor, ceiling) of a block: its stored range narrowed by the --paged-weight bit limits."""
+    floor = spec.bits_min if floor_bits is None else max(spec.bits_min, floor_bits)
+    ceiling = spec.bits_max if ceiling_bits is None else min(spec.bits_max, ceiling_bits)
+    return floor, ceiling
+
+
 class WeightPageTable:
     """All rows, indexed by block_id = position in the `blocks` sequence given at construction.
 
@@ -101,8 +108,7 @@ class WeightPageTable:
             check_key(key)
             if key in self._by_key:
                 raise ValueError(f"block {key} listed twice in the page table")
-            floor = spec.bits_min if floor_bits is None else max(spec.bits_min, floor_bits)
-            ceiling = spec.bits_max if ceiling_bits is None else min(spec.bits_max, ceiling_bits)
+            floor, ceiling = bit_limits(spec, floor_bits, ceiling_bits)
             if floor > ceiling:
                 raise ValueError(f"block {key}: floor {floor} above ceiling {ceiling}; check --paged-weight bit limits")
             row = BlockRow(
