@@ -42,16 +42,37 @@ def _post(url: str, path: str, body: Optional[dict] = None, timeout: float = 120
     return r.json() if r.content and r.headers.get("content-type", "").startswith("application/json") else r.text
 
 
-def probes(url: str, a: argparse.Namespace, vocab: int) -> list[list[int]]:
-    """Greedy output token ids of the probe prompts, one request at a time, from an empty prefix cache."""
+def probes(url: str, a: argparse.Namespace, vocab: int) -> list[dict[str, list]]:
+    """Greedy answers to the probe prompts, one request at a time, from an empty prefix cache: each answer's
+    token ids and their logprobs. A dummy-weight model's greedy tokens barely depend on the experts' bits,
+    so the logprobs are what shows that a plan changed the numerics (and that a second server reproduces them)."""
     _post(url, "/flush_cache")
     prompts = BurstSpec(a.probes, a.probe_input_len, a.probe_output_len, vocab, seed=a.seed + 1000).prompts()
     out = []
     for ids in prompts:
-        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": a.probe_output_len, "temperature": 0,
-                                                      "ignore_eos": True}}
-        out.append(list(_post(url, "/generate", body, timeout=600)["output_ids"]))
+        body = {"input_ids": ids, "return_logprob": True,
+                "sampling_params": {"max_new_tokens": a.probe_output_len, "temperature": 0, "ignore_eos": True}}
+        resp = _post(url, "/generate", body, timeout=600)
+        out.append({"ids": list(resp["output_ids"]),
+                    "logprobs": [float(t[0]) for t in resp["meta_info"]["output_token_logprobs"]]})
     return out
+
+
+def _ids(answers: Optional[list[dict]]) -> Optional[list[list[int]]]:
+    return [x["ids"] for x in answers] if answers else None
+
+
+def _logprob_max_diff(a: Optional[list[dict]], b: Optional[list[dict]]) -> Optional[float]:
+    """Largest |logprob difference| over the tokens two sets of answers share before their first difference."""
+    if not a or not b or len(a) != len(b):
+        return None
+    worst = 0.0
+    for x, y in zip(a, b):
+        for u, v, lu, lv in zip(x["ids"], y["ids"], x["logprobs"], y["logprobs"]):
+            if u != v:
+                break
+            worst = max(worst, abs(lu - lv))
+    return float(f"{worst:.3g}")
 
 
 def decode_rates(url: str, a: argparse.Namespace, vocab: int) -> dict[str, Any]:
@@ -133,6 +154,7 @@ def headline(results: list[dict[str, Any]]) -> dict[str, Any]:
     ratio = {bs: round(v / decode(st)[bs], 3) for bs, v in decode(pw).items() if v and decode(st).get(bs)}
     ratio_map = {bs: round(v / decode(st)[bs], 3) for bs, v in decode(mp).items() if v and decode(st).get(bs)}
     map_probes = (mp.get("rounds") or [{}])[0].get("probes")
+    start, held = r0.get("probes_start"), r0.get("probes_held")
     return {
         "tp_size": tp.get("world_size"),
         "oom": sum(len(r.get("oom_lines") or []) for r in results),
@@ -147,12 +169,18 @@ def headline(results: list[dict[str, Any]]) -> dict[str, Any]:
         "burst_requests": (r0.get("burst") or {}).get("requests"),
         "nan_logprobs": (r0.get("burst") or {}).get("nan_logprobs"),
         "reload_s": ((pw.get("quiets") or [{}])[0]).get("reload_s"),
-        "outputs_identical_to_bits_map_server": (map_probes == r0.get("probes_held")) if map_probes else None,
-        "outputs_identical_after_reload": (r1.get("probes_reloaded") == r0.get("probes_start")) if r1 else None,
-        "outputs_repeatable_on_one_server": (r0.get("probes_start_repeat") == r0.get("probes_start"))
+        "outputs_identical_to_bits_map_server": (_ids(map_probes) == _ids(held)) if map_probes else None,
+        "outputs_identical_after_reload": (_ids(r1.get("probes_reloaded")) == _ids(start)) if r1 else None,
+        "outputs_repeatable_on_one_server": (_ids(r0.get("probes_start_repeat")) == _ids(start))
         if r0.get("probes_start_repeat") else None,
-        "probe_prefix_agreement_bits_map": _prefix_agreement(map_probes, r0.get("probes_held")),
-        "held_plan_changes_outputs": (r0.get("probes_held") != r0.get("probes_start")) if r0.get("probes_held") else None,
+        "probe_prefix_agreement_bits_map": _prefix_agreement(_ids(map_probes), _ids(held)),
+        "held_plan_changes_outputs": (_ids(held) != _ids(start)) if held else None,
+        # Token ids alone are weak evidence on dummy weights: these say by how much the held plan moved the
+        # answers' logprobs, and how far the server started at that plan (and one server repeating itself) is.
+        "logprob_max_diff_held_vs_start": _logprob_max_diff(held, start),
+        "logprob_max_diff_bits_map_vs_held": _logprob_max_diff(map_probes, held),
+        "logprob_max_diff_reloaded_vs_start": _logprob_max_diff(r1.get("probes_reloaded"), start) if r1 else None,
+        "logprob_max_diff_repeat": _logprob_max_diff(r0.get("probes_start_repeat"), start),
         "decode_tok_per_s": {name: decode(r) for name, r in by.items()},
         "decode_ratio_vs_stock": ratio,
         "decode_ratio_vs_stock_at_held_plan": ratio_map,
