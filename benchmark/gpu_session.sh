@@ -2,6 +2,8 @@
 # GPU-machine session (see ../shared/devicekit/README.md): run after the three devicekit parts are installed.
 #   bash benchmark/gpu_session.sh tests     # GPU correctness tests only (runtime, kernels, TP sync on one GPU)
 #   bash benchmark/gpu_session.sh kernels   # GPU correctness tests + SGLang baseline + AP kernel benchmark
+#   bash benchmark/gpu_session.sh prefill   # MoE kernel tests + prefill sizes (M 256, 2048) side by side with SGLang's
+#                                           # kernels: dense GEMMs on SGLang's kernel vs ours after dequantization
 #   bash benchmark/gpu_session.sh serve     # server smoke test + bench_one_batch stock bf16 vs AP 4-bit
 #   bash benchmark/gpu_session.sh pressure  # KV-pressure bursts: PagedWeight (+poison) vs stock bf16, same budget
 #   bash benchmark/gpu_session.sh tp2       # two GPUs: stock --tp 2 vs PagedWeight --tp 2 (burst, held plan,
@@ -30,6 +32,15 @@ if [ "$stage" = kernels ]; then
   tail -3 "$OUT/baseline.log"
   timeout 300 python3 benchmark/kernel_bench.py --baseline-json "$OUT/baseline.json" --out "$OUT/kernel.json" \
     --time-budget-s 240 2>&1 | tail -40 | tee "$OUT/kernel_bench.txt"
+fi
+
+if [ "$stage" = prefill ]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_moe.py 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
+  timeout 150 python3 benchmark/sglang_moe_baseline.py --ms 256,512,2048 --out "$OUT/baseline_prefill.json" \
+    >"$OUT/baseline_prefill.log" 2>&1; tail -3 "$OUT/baseline_prefill.log"
+  timeout 200 python3 benchmark/kernel_bench.py --baseline-json "$OUT/baseline_prefill.json" --ms 256,512,2048 \
+    --cases u4,mix4 --kinds bcq,kmeans --out "$OUT/kernel_prefill.json" --time-budget-s 150 2>&1 | tail -30 \
+    | tee "$OUT/kernel_prefill.txt"
 fi
 
 if [ "$stage" = serve ]; then

@@ -8,6 +8,7 @@ unsupported combination raises.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Literal, Optional
 
 import torch
@@ -69,7 +70,7 @@ def ap_fused_moe(
             hidden, topk_weights, topk_ids, w13, w2,
             activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
         )
-    from pagedweight.kernels.triton_moe import ap_fused_moe_triton
+    from pagedweight.kernels.triton_moe import ap_fused_moe_triton, compute_dtype
 
     w13.check_triton_supported("w13")
     w2.check_triton_supported("w2")
@@ -81,11 +82,19 @@ def ap_fused_moe(
         )
     if m == 0:
         return torch.zeros_like(hidden)
+    sglang_cfgs = None
+    if configs[0].dequant_chunk > 0 and configs[0].dense_gemm == "sglang":
+        # SGLang's kernel runs the prefill GEMMs with its own config; both share our alignment, so its
+        # BLOCK_SIZE_M sets the alignment's block size
+        from pagedweight.kernels.sglang_dense_moe import sglang_moe_configs
+
+        sglang_cfgs = sglang_moe_configs(m, w13.num_experts, w2.K, w2.N, topk, compute_dtype(hidden.dtype))
+        configs = tuple(replace(c, block_m=sglang_cfgs.block_m) for c in configs)
     align = moe_align_block_size(topk_ids, configs[0].block_m, w13.num_experts)
     return ap_fused_moe_triton(
         hidden.contiguous(), topk_weights.contiguous(), topk_ids, w13, w2, align, configs[0], configs[1],
         apply_router_weight_on_input=apply_router_weight_on_input,
-        use_asm=hidden.is_cuda if use_asm is None else use_asm,
+        use_asm=hidden.is_cuda if use_asm is None else use_asm, sglang_configs=sglang_cfgs,
     )
 
 

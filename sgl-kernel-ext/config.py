@@ -25,6 +25,11 @@ class APKernelConfig:
     # w13 config only, prefill: > 0 = dequantize experts once per call, this many at a time, into a bf16/fp16
     # scratch (chunk x N x K x 2 bytes per projection) and run dense grouped GEMMs (triton_dequant_moe.py)
     dequant_chunk: int = 0
+    # w13 config only, with dequant_chunk > 0: who runs the dense GEMMs on the scratch. "triton": ours
+    # (triton_dequant_moe._dense_moe_kernel); "sglang": SGLang's own bf16 fused-MoE kernel with the config
+    # SGLang picks (block_m then follows it). H200, M=2048 at 4 bits: equal on Mixtral (5.57 vs 5.48 ms),
+    # ours 14% faster on Qwen1.5-MoE (1.64 vs 1.91 ms), so ours is the default (docs/results/kernel.md).
+    dense_gemm: str = "triton"
 
     def launch_options(self, on_cuda: bool) -> dict:
         """Triton launch keywords (the interpreter takes no register cap)."""
@@ -42,6 +47,8 @@ class APKernelConfig:
             raise ValueError(f"block_k must be >= 32 (one plane word), got {self.block_k}")
         if self.dequant_chunk < 0:
             raise ValueError(f"dequant_chunk must be >= 0, got {self.dequant_chunk}")
+        if self.dense_gemm not in ("sglang", "triton"):
+            raise ValueError(f"dense_gemm must be 'sglang' or 'triton', got {self.dense_gemm!r}")
         if self.split_k < 1:
             raise ValueError(f"split_k must be >= 1, got {self.split_k}")
 
@@ -76,8 +83,11 @@ def split_k_for(blocks: int, k_tiles: int, num_sms: int, per_sm: int = 2) -> int
     return split
 
 
-# Dequantize-then-GEMM once an expert has this many (token, slot) pairs on average (several blocks), with
-# the per-projection scratch of a chunk of experts capped at this many bytes.
+# Dequantize-then-GEMM once an expert has this many (token, slot) pairs on average, with the per-projection
+# scratch of a chunk of experts capped at this many bytes. The dequantization is a fixed cost per call (every
+# expert rebuilt once); the tile kernels rebuild every weight once per block of tokens instead. H200, Mixtral
+# at 4 bits (docs/results/kernel.md): 64 pairs per expert (M=256) tiles 2.8 ms vs dequantize+GEMM 4.4 ms;
+# 128 (M=512) tiles 4.3 ms vs 3.7 ms. The kernel benchmark times both paths at prefill sizes.
 DEQUANT_MIN_PAIRS_PER_EXPERT = 128
 DEQUANT_SCRATCH_BYTES = 512 * 2**20
 
@@ -85,8 +95,10 @@ DEQUANT_SCRATCH_BYTES = 512 * 2**20
 def default_moe_configs(
     num_tokens: int, topk: int, num_experts: int, inter: int, hidden: int,
     k13: tuple[int, int | None], k2: tuple[int, int | None], num_sms: int = 132,
+    dequant_min_pairs_per_expert: float = DEQUANT_MIN_PAIRS_PER_EXPERT,
 ) -> tuple[APKernelConfig, APKernelConfig]:
-    """(w13 config, w2 config). k13/k2 = (K, bcq group size or None)."""
+    """(w13 config, w2 config). k13/k2 = (K, bcq group size or None). The prefill (dequantize-then-GEMM)
+    path is picked from `dequant_min_pairs_per_expert` pairs per expert on average."""
     pairs = num_tokens * topk
     bm = block_m_for(pairs, num_experts)
     experts_hit = min(num_experts, pairs)
@@ -94,7 +106,7 @@ def default_moe_configs(
     big = bm >= 64
     bk13 = largest_block_k(*k13)
     bk2 = largest_block_k(*k2)
-    if pairs >= DEQUANT_MIN_PAIRS_PER_EXPERT * num_experts:
+    if pairs >= dequant_min_pairs_per_expert * num_experts:
         # prefill: the tile kernels would rebuild each weight once per block of tokens (4x the bf16 GEMM's
         # time at M=2048 on Mixtral, measured); dequantize each expert once and run dense GEMMs instead
         chunk = max(1, DEQUANT_SCRATCH_BYTES // (2 * inter * k13[0] * 2))

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from pagedweight.kernels.align import MoEAlignment
-from pagedweight.kernels.config import APKernelConfig
+from pagedweight.kernels.config import APKernelConfig, largest_block_k
 from pagedweight.kernels.triton_tiles import (
     act_tile,
     load_row,
@@ -289,31 +289,58 @@ def _check_bk(w: APMoEWeights, bk: int, name: str) -> None:
         raise ValueError(f"{name}: BK={bk} must divide K={w.K}" + (f" and group_size={w.group_size}" if w.table_kind == "bcq" else ""))
 
 
-def _dequantized_moe(x, act, out, w13, w2, tw, align, cfg13, cfg2, num_pairs, topk, kind2, *,
-                     apply_router_weight_on_input, use_asm, cd) -> None:
-    """Prefill path (triton_dequant_moe.py): experts dequantized once per call in chunks, dense GEMMs."""
+def _dequantized_moe(x, act, out, w13, w2, tw, topk_ids, align, cfg13, cfg2, num_pairs, topk, kind2, *,
+                     apply_router_weight_on_input, use_asm, cd, sglang_configs) -> None:
+    """Prefill path (triton_dequant_moe.py): experts dequantized once per call in chunks, dense GEMMs
+    (SGLang's fused-MoE kernel, sglang_dense_moe.py, or ours, per cfg13.dense_gemm)."""
     from pagedweight.kernels.triton_dequant_moe import dense_moe_chunk, dequantize_chunk
 
     chunk = min(cfg13.dequant_chunk, w13.num_experts)
     inter = w2.K
     dot_f32 = not x.is_cuda
     cd_tl = _TL_DTYPE[cd]
+    use_sglang = cfg13.dense_gemm == "sglang"
+    # The scratch's column order does not depend on the block width, so the dequantization takes its own:
+    # the widest that divides K and the group (H200, Mixtral w13 at 4 bits: 412 us per 2 experts at 128 wide
+    # vs 633 us at 64; benchmark/dequant_sweep.py, docs/results/kernel.md)
+    bk13 = largest_block_k(w13.K, w13.group_size if w13.table_kind == "bcq" else None)
+    bk2 = largest_block_k(w2.K, w2.group_size if w2.table_kind == "bcq" else None)
+    if use_sglang:
+        from pagedweight.kernels.sglang_dense_moe import sglang_moe_chunk, sglang_moe_configs
+
+        if sglang_configs is None:
+            sglang_configs = sglang_moe_configs(num_pairs // topk, w13.num_experts, inter, w2.N, topk, cd)
+        tw2d = tw.view(-1, topk)
     h13 = torch.empty(num_pairs, 2 * inter, dtype=cd, device=x.device)
     s13 = torch.empty(chunk, w13.N, w13.K, dtype=cd, device=x.device)
     for e0 in range(0, w13.num_experts, chunk):
-        dequantize_chunk(w13, s13, e0, cd_tl, 64, cfg13.block_k, use_asm, dot_f32)
+        dequantize_chunk(w13, s13, e0, cd_tl, 64, bk13, use_asm, dot_f32)
         # router weight on the input: W13 (w x) = w (W13 x), so it scales h before silu
-        dense_moe_chunk(x, h13, s13, tw, align, e0, num_pairs, topk, by_token=True,
-                        route_w=apply_router_weight_on_input, atomic_out=False, cfg=cfg13, cd_tl=cd_tl, dot_f32=dot_f32)
+        if use_sglang:
+            sglang_moe_chunk(x, h13, s13, tw2d, topk_ids, align, e0, w13.num_experts, rows_per_a=topk,
+                             mul_routed_weight=apply_router_weight_on_input, config=sglang_configs.up)
+        else:
+            dense_moe_chunk(x, h13, s13, tw, align, e0, num_pairs, topk, by_token=True,
+                            route_w=apply_router_weight_on_input, atomic_out=False, cfg=cfg13, cd_tl=cd_tl,
+                            dot_f32=dot_f32)
     del s13
     _silu_mul_kernel[(num_pairs, triton.cdiv(inter, 1024))](
         h13, act, inter, h13.stride(0), act.stride(0), KIND2=kind2, BLOCK=1024, num_warps=4,
     )
+    # SGLang's kernel stores one row per (token, slot) pair; the top-k slots are summed afterwards
+    h2 = torch.empty(num_pairs, w2.N, dtype=cd, device=x.device) if use_sglang else None
     s2 = torch.empty(chunk, w2.N, w2.K, dtype=cd, device=x.device)
     for e0 in range(0, w2.num_experts, chunk):
-        dequantize_chunk(w2, s2, e0, cd_tl, 64, cfg2.block_k, use_asm, dot_f32)
-        dense_moe_chunk(act, out, s2, tw, align, e0, num_pairs, topk, by_token=False,
-                        route_w=not apply_router_weight_on_input, atomic_out=True, cfg=cfg2, cd_tl=cd_tl, dot_f32=dot_f32)
+        dequantize_chunk(w2, s2, e0, cd_tl, 64, bk2, use_asm, dot_f32)
+        if use_sglang:
+            sglang_moe_chunk(act, h2, s2, tw2d, topk_ids, align, e0, w2.num_experts, rows_per_a=1,
+                             mul_routed_weight=not apply_router_weight_on_input, config=sglang_configs.down)
+        else:
+            dense_moe_chunk(act, out, s2, tw, align, e0, num_pairs, topk, by_token=False,
+                            route_w=not apply_router_weight_on_input, atomic_out=True, cfg=cfg2, cd_tl=cd_tl,
+                            dot_f32=dot_f32)
+    if use_sglang:
+        out += h2.view(-1, topk, w2.N).sum(dim=1, dtype=torch.float32)
 
 
 def ap_fused_moe_triton(
@@ -328,8 +355,11 @@ def ap_fused_moe_triton(
     *,
     apply_router_weight_on_input: bool,
     use_asm: bool,
+    sglang_configs=None,
 ) -> torch.Tensor:
-    """Launches both kernels; `align` must have been built with cfg13.block_m == cfg2.block_m."""
+    """Launches both kernels; `align` must have been built with cfg13.block_m == cfg2.block_m.
+    `sglang_configs` (sglang_dense_moe.SGLangMoEConfigs): the prefill path's SGLang GEMM configs, when
+    cfg13 asks for them (looked up here when not given)."""
     if cfg13.fuse_gate_up and cfg13.split_k > 1:
         raise ValueError("w13 split_k > 1 needs fuse_gate_up=False (silu needs the whole K sum)")
     if cfg13.block_m != align.block_size or cfg2.block_m != align.block_size:
@@ -349,8 +379,9 @@ def ap_fused_moe_triton(
     kind13 = 0 if w13.table_kind == "bcq" else 1
     kind2 = 0 if w2.table_kind == "bcq" else 1
     if cfg13.dequant_chunk > 0:
-        _dequantized_moe(x, act, out, w13, w2, tw, align, cfg13, cfg2, num_pairs, topk, kind2,
-                         apply_router_weight_on_input=apply_router_weight_on_input, use_asm=use_asm, cd=cd)
+        _dequantized_moe(x, act, out, w13, w2, tw, topk_ids, align, cfg13, cfg2, num_pairs, topk, kind2,
+                         apply_router_weight_on_input=apply_router_weight_on_input, use_asm=use_asm, cd=cd,
+                         sglang_configs=sglang_configs)
         return out.to(hidden.dtype)
     if cfg13.fuse_gate_up:
         _ap_moe_w13_kernel[(max_blocks, triton.cdiv(inter, cfg13.block_n))](

@@ -128,15 +128,17 @@ def test_block_m_32_split_k_prefetch_fused(kind, prefetch, fuse, split13):
 
 
 @needs_kernel_device
+@pytest.mark.parametrize("dense_gemm", ["sglang", "triton"])
 @pytest.mark.parametrize("kind,chunk,apply_w_in", [("bcq", 1, False), ("kmeans", 2, True), ("bcq", 8, True)])
-def test_dequantize_then_dense_prefill_path(kind, chunk, apply_w_in):
-    """Experts dequantized once into a scratch, in chunks (including one larger than E), then dense GEMMs."""
+def test_dequantize_then_dense_prefill_path(kind, chunk, apply_w_in, dense_gemm):
+    """Experts dequantized once into a scratch, in chunks (including one larger than E), then dense GEMMs:
+    SGLang's own fused-MoE kernel on each chunk's view of the alignment, or ours."""
     p13, p2 = make_layer(3, [4, 2, 8], [3, 8, 5], kind)
     dev = KERNEL_DEVICE
     x = torch.randn(21, H, generator=torch.Generator().manual_seed(4)).half().to(dev)
     tw, ids = routing(21, 3, 2, "random", 4)
     tw, ids = tw.to(dev), ids.to(dev)
-    cfg = (APKernelConfig(block_m=32, block_n=32, block_k=32, num_warps=2, dequant_chunk=chunk),
+    cfg = (APKernelConfig(block_m=32, block_n=32, block_k=32, num_warps=2, dequant_chunk=chunk, dense_gemm=dense_gemm),
            APKernelConfig(block_m=32, block_n=32, block_k=32, num_warps=2))
     out = ap_fused_moe(x, tw, ids, p13.weights, p2.weights, backend="triton", configs=cfg,
                        apply_router_weight_on_input=apply_w_in)

@@ -1,0 +1,91 @@
+"""Time the prefill path's dequantization kernel (planes -> dense bf16 scratch) over launch shapes.
+
+The prefill path costs "dequantize every expert once + the bf16 GEMM"; this isolates the first part and
+compares it with the copy rate it could reach (bytes = planes and tables read + 2 bytes per weight written).
+Needs only torch + Triton on a CUDA GPU (no SGLang):
+
+    python benchmark/dequant_sweep.py --out out/dequant_sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import triton
+
+from pagedweight.kernels.testing import random_ap_projection
+from pagedweight.kernels.triton_dequant_moe import _dequant_kernel
+
+SHAPES = {"mixtral": (8, 2 * 14336, 4096), "qwen15moe": (60, 2 * 1408, 2048)}  # (experts, N of w13, K)
+
+
+def time_us(fn, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return sorted(a.elapsed_time(b) for a, b in ev)[reps // 2] * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="out/dequant_sweep.json")
+    ap.add_argument("--chunk", type=int, default=2, help="experts per launch")
+    ap.add_argument("--budget-s", type=float, default=200)
+    a = ap.parse_args()
+    t0 = time.time()
+    dev = torch.device("cuda")
+    copy_src = torch.empty(2**30, dtype=torch.uint8, device=dev)
+    copy_dst = torch.empty_like(copy_src)
+    copy_tbps = 2 * copy_src.numel() / (time_us(lambda: copy_dst.copy_(copy_src)) * 1e-6) / 1e12
+    rows = []
+    for model, (E, N, K) in SHAPES.items():
+        for kind in ("bcq", "kmeans"):
+            p = random_ap_projection(E, N, K, [4] * E, table_kind=kind, group_size=128, bits_min=2, seed=1, device=dev)
+            w = p.weights
+            chunk = min(a.chunk, E)
+            scratch = torch.empty(chunk, N, K, dtype=torch.bfloat16, device=dev)
+            plane_bytes = chunk * N * K * 4 / 8
+            moved = plane_bytes + scratch.numel() * 2
+            for bn in (32, 64, 128):
+                for bk in (64, 128):
+                    for warps in (2, 4, 8):
+                        if time.time() - t0 > a.budget_s:
+                            break
+                        grid = (chunk, triton.cdiv(N, bn), K // bk)
+
+                        def run():
+                            _dequant_kernel[grid](
+                                w.page_table, scratch, 0, w.num_experts, N, K, w.group_size, w.page_table.stride(0),
+                                KIND=0 if kind == "bcq" else 1, P_MAX=w.bits_max, BN=bn, BK=bk, CD=triton.language.bfloat16,
+                                USE_ASM=True, num_warps=warps)
+                        try:
+                            us = time_us(run)
+                            r = dict(model=model, kind=kind, bn=bn, bk=bk, warps=warps, us=round(us, 1),
+                                     TBps=round(moved / (us * 1e-6) / 1e12, 3),
+                                     us_all_experts=round(us * E / chunk, 1))
+                        except Exception as e:  # a shape the compiler refuses: keep going, say so
+                            r = dict(model=model, kind=kind, bn=bn, bk=bk, warps=warps, error=f"{type(e).__name__}: {e}"[:200])
+                        rows.append(r)
+                        print(r, flush=True)
+    doc = dict(gpu=torch.cuda.get_device_name(0), copy_TBps=round(copy_tbps, 3), chunk=a.chunk, bits=4,
+               current_default=dict(bn=64, bk=64, warps=4), rows=rows)
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    best = {}
+    for r in rows:
+        k = (r["model"], r["kind"])
+        if "us" in r and (k not in best or r["us"] < best[k]["us"]):
+            best[k] = r
+    print("copy TB/s", doc["copy_TBps"], "best:", json.dumps({f"{k[0]}/{k[1]}": v for k, v in best.items()}))
+
+
+if __name__ == "__main__":
+    main()
