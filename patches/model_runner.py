@@ -34,6 +34,14 @@ def load_model_after(result, model_runner, *args, **kwargs):
             "--enable-paged-weight: the model was loaded but no FusedMoE layer uses the paged-weight method; "
             "this model's MoE layers are not built on SGLang's FusedMoE"
         )
+    if str(model_runner.server_args.load_format) == "dummy":
+        from pagedweight.dummy_weights import unit_norm_weights
+
+        n = unit_norm_weights(model_runner.model)
+        logger.info(
+            "PagedWeight: --load-format dummy: %d RMSNorm weights set to 1 (SGLang's +-1e-3 would hide the "
+            "experts' bitwidths from the logits; python/pagedweight/dummy_weights.py)", n
+        )
     device = stores[0].w13.page_table.device
     runtime = PagedRuntime.build(cfg, stores, device)
     model_runner._paged_weight_runtime = runtime
