@@ -4,6 +4,8 @@
 #   bash benchmark/gpu_session.sh kernels   # GPU correctness tests + SGLang baseline + AP kernel benchmark
 #   bash benchmark/gpu_session.sh prefill   # MoE kernel tests + prefill sizes (M 256, 2048) side by side with SGLang's
 #                                           # kernels: dense GEMMs on SGLang's kernel vs ours after dequantization
+#   bash benchmark/gpu_session.sh lut       # probes, no devicekit needed: activation-LUT GEMV (benchmark/lut_gemv_probe.py)
+#                                           # and the prefill dequantization alone (benchmark/dequant_sweep.py)
 #   bash benchmark/gpu_session.sh serve     # server smoke test + bench_one_batch stock bf16 vs AP 4-bit
 #   bash benchmark/gpu_session.sh pressure  # KV-pressure bursts: PagedWeight (+poison) vs stock bf16, same budget
 #   bash benchmark/gpu_session.sh tp2       # two GPUs: stock --tp 2 vs PagedWeight --tp 2 (burst, held plan,
@@ -41,6 +43,11 @@ if [ "$stage" = prefill ]; then
   timeout 200 python3 benchmark/kernel_bench.py --baseline-json "$OUT/baseline_prefill.json" --ms 256,512,2048 \
     --cases u4,mix4 --kinds bcq,kmeans --out "$OUT/kernel_prefill.json" --time-budget-s 150 2>&1 | tail -30 \
     | tee "$OUT/kernel_prefill.txt"
+fi
+
+if [ "$stage" = lut ]; then
+  timeout 300 python3 benchmark/lut_gemv_probe.py --out "$OUT/lut_probe.json" 2>&1 | grep -v "^{" | tail -12
+  timeout 200 python3 benchmark/dequant_sweep.py --out "$OUT/dequant_sweep.json" --budget-s 150 2>&1 | tail -2
 fi
 
 if [ "$stage" = serve ]; then
