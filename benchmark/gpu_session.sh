@@ -46,7 +46,7 @@ if [ "$stage" = prefill ]; then
 fi
 
 if [ "$stage" = lut ]; then
-  timeout 300 python3 benchmark/lut_gemv_probe.py --out "$OUT/lut_probe.json" 2>&1 | grep -v "^{" | tail -12
+  timeout 300 python3 benchmark/lut_gemv_probe.py --out "$OUT/lut_probe.json" --budget-s 230 2>&1 | grep -v "^{" | tail -12
   timeout 200 python3 benchmark/dequant_sweep.py --out "$OUT/dequant_sweep.json" --budget-s 150 2>&1 | tail -2
 fi
 

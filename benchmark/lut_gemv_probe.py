@@ -20,8 +20,10 @@ bits, so the next GPU session can decide whether this route is worth a product k
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import time
 
 import torch
 import triton
@@ -40,7 +42,7 @@ def _tables_kernel(x_ptr, t_ptr, gs_ptr, K, G: tl.constexpr, BJ: tl.constexpr):
         xi = tl.load(x_ptr + m * K + jj * 4 + i).to(tl.float32)
         sign = (((c >> i) & 1) * 2 - 1).to(tl.float32)
         acc += xi[:, None] * sign[None, :]
-    tl.store(t_ptr + (m * (K // 4) + jj[:, None]) * 16 + c[None, :], acc)
+    tl.store(t_ptr + (m * (K // 4) + jj[:, None]) * 16 + c[None, :], acc.to(t_ptr.dtype.element_ty))
     # group sums: BJ * 4 inputs is a multiple of G (launcher checks), so each program owns whole groups
     xs = tl.load(x_ptr + m * K + j0 * 4 + tl.arange(0, BJ * 4)).to(tl.float32)
     gsum = tl.sum(tl.reshape(xs, [BJ * 4 // G, G]), axis=1)
@@ -74,7 +76,7 @@ def _lut_gemv_kernel(planes_ptr, alpha_ptr, off_ptr, t_ptr, gs_ptr, y_ptr, M, N,
                 for t in tl.static_range(8):
                     nib = (wd >> (4 * t)) & 0xF
                     j = words_idx * 8 + t
-                    part += tl.load(t_ptr + (m * (K // 4) + j[None, :]) * 16 + nib)
+                    part += tl.load(t_ptr + (m * (K // 4) + j[None, :]) * 16 + nib).to(tl.float32)
                 a = tl.load(alpha_ptr + (p * N + rows) * ngroups + g, mask=rmask, other=0.0).to(tl.float32)
                 acc += a * tl.sum(part, axis=1)
         if SPLIT == 1:
@@ -100,13 +102,15 @@ def dequantize(planes, alpha, off, g: int) -> torch.Tensor:
     return off.float().repeat_interleave(g, dim=1) + (a * signs).sum(0)
 
 
-def lut_gemv(x, planes, alpha, off, g: int, bn: int = 64, split: int = 1, num_warps: int = 4):
+def lut_gemv(x, planes, alpha, off, g: int, bn: int = 64, split: int = 1, num_warps: int = 4,
+             table_dtype: torch.dtype = torch.float32):
+    """y = x @ W^T (float32). `table_dtype` float16 halves the tables' cache footprint (K/4 x 16 per token)."""
     m, k = x.shape
     q, n, _ = planes.shape
     bj = max(g // 4, 16)
     if k % (bj * 4) or (bj * 4) % g:
         raise ValueError(f"K={k} must be a multiple of {bj * 4} and of the group {g}")
-    t = torch.empty(m, k // 4, 16, dtype=torch.float32, device=x.device)
+    t = torch.empty(m, k // 4, 16, dtype=table_dtype, device=x.device)
     gs = torch.empty(m, k // g, dtype=torch.float32, device=x.device)
     _tables_kernel[(m, k // 4 // bj)](x, t, gs, k, G=g, BJ=bj)
     y = (torch.zeros if split > 1 else torch.empty)(m, n, dtype=torch.float32, device=x.device)
@@ -121,10 +125,11 @@ def check(device, shapes=((1, 96, 256, 3, 128), (3, 64, 512, 4, 128), (2, 40, 25
         planes, alpha, off = make_weights(n, k, q, g, device, seed=n + k)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device)
         ref = x.float() @ dequantize(planes, alpha, off, g).t()
-        for split in (1, 2):
-            y = lut_gemv(x, planes, alpha, off, g, bn=32, split=split, num_warps=2)
+        for split, tdt, tol in ((1, torch.float32, 1e-4), (2, torch.float32, 1e-4), (2, torch.float16, 2e-3)):
+            y = lut_gemv(x, planes, alpha, off, g, bn=32, split=split, num_warps=2, table_dtype=tdt)
             err = ((y - ref).norm() / ref.norm()).item()
-            out.append(dict(m=m, n=n, k=k, q=q, g=g, split=split, rel_err=err, ok=err < 1e-4))
+            out.append(dict(m=m, n=n, k=k, q=q, g=g, split=split, table=str(tdt).split(".")[1], rel_err=err,
+                            ok=err < tol))
     return out
 
 
@@ -143,11 +148,13 @@ def time_us(fn, reps: int = 50) -> float:
     return sorted(a.elapsed_time(b) for a, b in ev)[reps // 2] * 1e3
 
 
-def bench(device, budget_rows: list[dict]) -> None:
+def bench(device, rows: list[dict], budget_s: float) -> None:
     from pagedweight.kernels import ap_linear
     from pagedweight.kernels.testing import random_ap_projection
 
+    t0 = time.time()
     shapes = {"qwen15moe_w13": (2 * 1408, 2048), "mixtral_w13": (2 * 14336, 4096), "mixtral_w2": (4096, 14336)}
+    configs = list(itertools.product((32, 64, 128), (1, 2, 4, 8), (2, 4), (torch.float32, torch.float16)))
     for name, (n, k) in shapes.items():
         for m in (1, 4):
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
@@ -156,24 +163,27 @@ def bench(device, budget_rows: list[dict]) -> None:
             ap = random_ap_projection(1, n, k, [4], table_kind="bcq", group_size=128, bits_min=2, device=device)
             shipped = time_us(lambda: ap_linear(x, ap.weights))
             planes, alpha, off = make_weights(n, k, 4, 128, device)
-            for bn in (32, 64, 128):
-                for split in (1, 2, 4, 8):
-                    for warps in (2, 4):
-                        try:
-                            us = time_us(lambda: lut_gemv(x, planes, alpha, off, 128, bn=bn, split=split, num_warps=warps))
-                            row = dict(shape=name, m=m, n=n, k=k, bits=4, bn=bn, split=split, warps=warps, us=round(us, 1),
-                                       torch_bf16_us=round(base, 1), ap_linear_us=round(shipped, 1),
-                                       weight_TBps=round(n * k * 0.5 / (us * 1e-6) / 1e12, 3))
-                        except Exception as e:  # keep going: the probe maps what compiles and what does not
-                            row = dict(shape=name, m=m, bn=bn, split=split, warps=warps, error=f"{type(e).__name__}: {e}"[:200])
-                        budget_rows.append(row)
-                        print(row, flush=True)
+            for bn, split, warps, tdt in configs:
+                if time.time() - t0 > budget_s:
+                    print(f"time budget {budget_s}s spent: stopping at {name} M={m}", flush=True)
+                    return
+                cfg = dict(shape=name, m=m, n=n, k=k, bits=4, bn=bn, split=split, warps=warps, table=str(tdt).split(".")[1])
+                try:
+                    us = time_us(lambda: lut_gemv(x, planes, alpha, off, 128, bn=bn, split=split, num_warps=warps,
+                                                  table_dtype=tdt))
+                    row = dict(cfg, us=round(us, 1), torch_bf16_us=round(base, 1), ap_linear_us=round(shipped, 1),
+                               weight_TBps=round(n * k * 0.5 / (us * 1e-6) / 1e12, 3))
+                except Exception as e:  # keep going: the probe maps what compiles and what does not
+                    row = dict(cfg, error=f"{type(e).__name__}: {e}"[:200])
+                rows.append(row)
+                print(row, flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out/lut_probe.json")
     ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=240, help="stop starting new configs after this")
     a = ap.parse_args()
     interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     device = torch.device("cpu" if interp or not torch.cuda.is_available() else "cuda")
@@ -184,7 +194,7 @@ def main() -> None:
     if a.check_only:
         return
     rows: list[dict] = []
-    bench(device, rows)
+    bench(device, rows, a.budget_s)
     doc = dict(gpu=torch.cuda.get_device_name(0), checks=checks, rows=rows)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
@@ -192,7 +202,7 @@ def main() -> None:
     from dequant_sweep import fastest  # benchmark/ is on sys.path when this runs as a script
 
     for key, r in fastest(rows, ("shape", "m")).items():
-        print(f"{key}: best {r['us']} us (bn {r['bn']}, split {r['split']}, warps {r['warps']}) vs torch bf16 "
+        print(f"{key}: best {r['us']} us (bn {r['bn']}, split {r['split']}, warps {r['warps']}, {r['table']} tables) vs torch bf16 "
               f"{r['torch_bf16_us']} us, ap_linear {r['ap_linear_us']} us")
 
 
