@@ -17,7 +17,7 @@ import torch
 import triton
 
 from pagedweight.kernels.testing import random_ap_projection
-from pagedweight.kernels.triton_dequant_moe import _dequant_kernel
+from pagedweight.kernels.triton_dequant_moe import dequantize_chunk
 
 SHAPES = {"mixtral": (8, 2 * 14336, 4096), "qwen15moe": (60, 2 * 1408, 2048)}  # (experts, N of w13, K)
 
@@ -59,13 +59,9 @@ def main() -> None:
                     for warps in (2, 4, 8):
                         if time.time() - t0 > a.budget_s:
                             break
-                        grid = (chunk, triton.cdiv(N, bn), K // bk)
 
                         def run():
-                            _dequant_kernel[grid](
-                                w.page_table, scratch, 0, w.num_experts, N, K, w.group_size, w.page_table.stride(0),
-                                KIND=0 if kind == "bcq" else 1, P_MAX=w.bits_max, BN=bn, BK=bk, CD=triton.language.bfloat16,
-                                USE_ASM=True, num_warps=warps)
+                            dequantize_chunk(w, scratch, 0, triton.language.bfloat16, bn, bk, True, num_warps=warps)
                         try:
                             us = time_us(run)
                             r = dict(model=model, kind=kind, bn=bn, bk=bk, warps=warps, us=round(us, 1),

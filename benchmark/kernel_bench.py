@@ -33,7 +33,6 @@ from dataclasses import replace
 import torch
 
 from pagedweight.kernels import APKernelConfig, ap_fused_moe
-from pagedweight.kernels.api import _group
 from pagedweight.kernels.config import default_moe_configs
 from pagedweight.kernels.sglang_dense_moe import sglang_moe_configs
 from pagedweight.kernels.reference import ap_fused_moe_reference
@@ -240,11 +239,6 @@ def main() -> None:
         return profile_one(args)
     T0 = time.time()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
-    # SGLang's execution context (default ServerArgs), as in a server: the prefill path's dense GEMMs then
-    # run on SGLang's kernel with the config SGLang itself would pick (tuned JSON for this GPU, if shipped)
-    from sglang_moe_baseline import setup_sglang
-
-    setup_sglang()
     dev = torch.device("cuda")
     import triton
 
@@ -318,7 +312,7 @@ def main() -> None:
                     x = torch.randn((M, H), device=dev, dtype=torch.bfloat16, generator=torch.Generator(device=dev).manual_seed(args.seed + M))
                     tw, ids = make_routing(M, E, topk, model["renormalize"], args.seed * 1000 + M, dev)
                     hit = sorted(set(ids.flatten().tolist()))
-                    c13, c2 = default_moe_configs(M, topk, E, I, H, (H, _group(w13)), (I, _group(w2)), num_sms=props.multi_processor_count)
+                    c13, c2 = default_moe_configs(M, topk, E, I, H, (H, w13.bcq_group), (I, w2.bcq_group), num_sms=props.multi_processor_count)
                     r = dict(model=mk, impl="ap", kind=kind, case=case, M=M, experts_hit=len(hit),
                              avg_bits_hit=sum(b13[e] + b2[e] for e in hit) / (2 * len(hit)),
                              weight_bytes=ap_bytes(b13, b2, hit, model, kind), cfg13=vars(c13), cfg2=vars(c2))
@@ -330,15 +324,20 @@ def main() -> None:
                         # kernels (no dequantization) that smaller M uses
                         other = "sglang" if c13.dense_gemm == "triton" else "triton"
                         variants.append((f"dense_{other}", True, replace(c13, dense_gemm=other), c2))
-                        t13, t2 = default_moe_configs(M, topk, E, I, H, (H, _group(w13)), (I, _group(w2)),
+                        t13, t2 = default_moe_configs(M, topk, E, I, H, (H, w13.bcq_group), (I, w2.bcq_group),
                                                       num_sms=props.multi_processor_count,
                                                       dequant_min_pairs_per_expert=float("inf"))
                         variants.append(("tiles", True, t13, t2))
                     for vname, use_asm, v13, v2 in variants:
                         rv = dict(r, variant=vname, cfg13=vars(v13), cfg2=vars(v2))
-                        if v13.dequant_chunk > 0 and v13.dense_gemm == "sglang":
-                            rv["sglang_gemm"] = vars(sglang_moe_configs(M, E, I, H, topk, torch.bfloat16))
                         try:
+                            if v13.dequant_chunk > 0 and v13.dense_gemm == "sglang":
+                                # only this variant needs sglang: its execution context (default ServerArgs), as
+                                # in a server, so SGLang picks its own config (tuned JSON for this GPU, if shipped)
+                                from sglang_moe_baseline import setup_sglang
+
+                                setup_sglang()
+                                rv["sglang_gemm"] = vars(sglang_moe_configs(M, E, I, H, topk, torch.bfloat16))
                             t = time.time()
                             ap_fused_moe(x, tw, ids, w13, w2, configs=(v13, v2), use_asm=use_asm)
                             torch.cuda.synchronize()

@@ -39,10 +39,6 @@ def _pick_backend(t: torch.Tensor, backend: Backend) -> str:
     return "reference"
 
 
-def _group(w: APMoEWeights) -> Optional[int]:
-    return w.group_size if w.table_kind == "bcq" else None
-
-
 def ap_fused_moe(
     hidden: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -78,7 +74,7 @@ def ap_fused_moe(
     if configs is None:
         sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count if hidden.is_cuda else 132
         configs = default_moe_configs(
-            m, topk, w13.num_experts, w2.K, w2.N, (w13.K, _group(w13)), (w2.K, _group(w2)), num_sms=sms
+            m, topk, w13.num_experts, w2.K, w2.N, (w13.K, w13.bcq_group), (w2.K, w2.bcq_group), num_sms=sms
         )
     if m == 0:
         return torch.zeros_like(hidden)
@@ -126,5 +122,5 @@ def ap_linear(
     if x.shape[0] == 0:
         return x.new_zeros(0, w.N)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-    cfg = config or default_linear_config(x.shape[0], w.N, w.K, _group(w), num_sms=sms)
+    cfg = config or default_linear_config(x.shape[0], w.N, w.K, w.bcq_group, num_sms=sms)
     return ap_linear_triton(x.contiguous(), w, row, bias, cfg, use_asm=x.is_cuda if use_asm is None else use_asm)

@@ -15,15 +15,12 @@ stays CUDA-graph capturable), hides the other experts' blocks:
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pagedweight.kernels.align import MoEAlignment
-
-logger = logging.getLogger(__name__)
 
 # SGLang's get_default_config for bf16 at M > E (prefill), used when no SGLang execution context exists
 # (kernel tests and scripts outside a server); inside a server SGLang's own lookup (tuned JSON) decides.

@@ -95,13 +95,16 @@ def _dense_moe_kernel(
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
 
 
-def dequantize_chunk(w, scratch: torch.Tensor, e0: int, cd_tl, bn: int, bk: int, use_asm: bool, dot_f32: bool) -> None:
+def dequantize_chunk(w, scratch: torch.Tensor, e0: int, cd_tl, bn: int, bk: int, use_asm: bool,
+                     num_warps: int = 4) -> None:
+    """scratch[i] = dense W of expert e0 + i (tile column order) for the chunk's experts (benchmark/dequant_sweep.py
+    times the launch shapes)."""
     chunk = scratch.shape[0]
     grid = (chunk, triton.cdiv(w.N, bn), w.K // bk)
     _dequant_kernel[grid](
         w.page_table, scratch, e0, w.num_experts, w.N, w.K, w.group_size, w.page_table.stride(0),
         KIND=0 if w.table_kind == "bcq" else 1, P_MAX=w.bits_max, BN=bn, BK=bk, CD=cd_tl, USE_ASM=use_asm,
-        num_warps=4,
+        num_warps=num_warps,
     )
 
 

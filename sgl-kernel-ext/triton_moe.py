@@ -303,18 +303,18 @@ def _dequantized_moe(x, act, out, w13, w2, tw, topk_ids, align, cfg13, cfg2, num
     # The scratch's column order does not depend on the block width, so the dequantization takes its own:
     # the widest that divides K and the group (H200, Mixtral w13 at 4 bits: 412 us per 2 experts at 128 wide
     # vs 633 us at 64; benchmark/dequant_sweep.py, docs/results/kernel.md)
-    bk13 = largest_block_k(w13.K, w13.group_size if w13.table_kind == "bcq" else None)
-    bk2 = largest_block_k(w2.K, w2.group_size if w2.table_kind == "bcq" else None)
+    bk13 = largest_block_k(w13.K, w13.bcq_group)
+    bk2 = largest_block_k(w2.K, w2.bcq_group)
     if use_sglang:
-        from pagedweight.kernels.sglang_dense_moe import sglang_moe_chunk, sglang_moe_configs
+        from pagedweight.kernels.sglang_dense_moe import sglang_moe_chunk
 
-        if sglang_configs is None:
-            sglang_configs = sglang_moe_configs(num_pairs // topk, w13.num_experts, inter, w2.N, topk, cd)
+        if sglang_configs is None:  # the alignment must already follow their BLOCK_SIZE_M
+            raise ValueError("dense_gemm='sglang' needs sglang_configs; ap_fused_moe looks them up and aligns to them")
         tw2d = tw.view(-1, topk)
     h13 = torch.empty(num_pairs, 2 * inter, dtype=cd, device=x.device)
     s13 = torch.empty(chunk, w13.N, w13.K, dtype=cd, device=x.device)
     for e0 in range(0, w13.num_experts, chunk):
-        dequantize_chunk(w13, s13, e0, cd_tl, 64, bk13, use_asm, dot_f32)
+        dequantize_chunk(w13, s13, e0, cd_tl, 64, bk13, use_asm)
         # router weight on the input: W13 (w x) = w (W13 x), so it scales h before silu
         if use_sglang:
             sglang_moe_chunk(x, h13, s13, tw2d, topk_ids, align, e0, w13.num_experts, rows_per_a=topk,
@@ -331,7 +331,7 @@ def _dequantized_moe(x, act, out, w13, w2, tw, topk_ids, align, cfg13, cfg2, num
     h2 = torch.empty(num_pairs, w2.N, dtype=cd, device=x.device) if use_sglang else None
     s2 = torch.empty(chunk, w2.N, w2.K, dtype=cd, device=x.device)
     for e0 in range(0, w2.num_experts, chunk):
-        dequantize_chunk(w2, s2, e0, cd_tl, 64, bk2, use_asm, dot_f32)
+        dequantize_chunk(w2, s2, e0, cd_tl, 64, bk2, use_asm)
         if use_sglang:
             sglang_moe_chunk(act, h2, s2, tw2d, topk_ids, align, e0, w2.num_experts, rows_per_a=1,
                              mul_routed_weight=not apply_router_weight_on_input, config=sglang_configs.down)
@@ -358,8 +358,8 @@ def ap_fused_moe_triton(
     sglang_configs=None,
 ) -> torch.Tensor:
     """Launches both kernels; `align` must have been built with cfg13.block_m == cfg2.block_m.
-    `sglang_configs` (sglang_dense_moe.SGLangMoEConfigs): the prefill path's SGLang GEMM configs, when
-    cfg13 asks for them (looked up here when not given)."""
+    `sglang_configs` (sglang_dense_moe.SGLangMoEConfigs): the prefill path's SGLang GEMM configs, required
+    when cfg13.dense_gemm == "sglang" (`align` then uses their BLOCK_SIZE_M)."""
     if cfg13.fuse_gate_up and cfg13.split_k > 1:
         raise ValueError("w13 split_k > 1 needs fuse_gate_up=False (silu needs the whole K sum)")
     if cfg13.block_m != align.block_size or cfg2.block_m != align.block_size:

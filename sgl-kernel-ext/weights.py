@@ -82,6 +82,11 @@ class APMoEWeights:
     def num_groups(self) -> int:
         return self.K // self.group_size
 
+    @property
+    def bcq_group(self) -> int | None:
+        """The group the kernels' K blocks must divide: the bcq group size (k-means rows have none)."""
+        return self.group_size if self.table_kind == "bcq" else None
+
     def table_shape(self, bits: int) -> tuple[int, ...]:
         if self.table_kind == "bcq":
             return (bits + 1, self.N, self.num_groups)
