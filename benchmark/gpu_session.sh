@@ -6,7 +6,9 @@
 #                                           # kernels: dense GEMMs on SGLang's kernel vs ours after dequantization
 #   bash benchmark/gpu_session.sh lut       # probes, no devicekit needed: activation-LUT GEMV (benchmark/lut_gemv_probe.py)
 #                                           # and the prefill dequantization alone (benchmark/dequant_sweep.py)
-#   bash benchmark/gpu_session.sh serve     # server smoke test + bench_one_batch stock bf16 vs AP 4-bit
+#   bash benchmark/gpu_session.sh linear    # dense AP linear tests + benchmark/linear_bench.py (no devicekit needed)
+#   bash benchmark/gpu_session.sh serve     # server smoke test + bench_one_batch stock bf16 vs AP 4-bit experts vs
+#                                           # AP 4-bit scope all (SERVE_SYSTEMS="smoke bf16 ap4 ap4_all scope_check")
 #   bash benchmark/gpu_session.sh pressure  # KV-pressure bursts: PagedWeight (+poison) vs stock bf16, same budget
 #   bash benchmark/gpu_session.sh tp2       # two GPUs: stock --tp 2 vs PagedWeight --tp 2 (burst, held plan,
 #                                           # reload) vs a server started at the held plan; TP2_SYSTEMS picks
@@ -50,24 +52,49 @@ if [ "$stage" = lut ]; then
   timeout 200 python3 benchmark/dequant_sweep.py --out "$OUT/dequant_sweep.json" --budget-s 150 2>&1 | tail -2
 fi
 
+if [ "$stage" = linear ]; then
+  # dense AP linears (--paged-weight-scope all): GPU correctness, then tile vs dequantize+GEMM vs cuBLAS bf16
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_linear.py 2>&1 | tail -3 | tee "$OUT/gpu_tests_linear.txt"
+  timeout 240 python3 benchmark/linear_bench.py --out "$OUT/linear_bench.json" 2>&1 | tail -40
+fi
+
 if [ "$stage" = serve ]; then
+  # SERVE_SYSTEMS picks the parts (split them over calls when the 10-minute limit is near).
+  systems=" ${SERVE_SYSTEMS:-smoke bf16 ap4 ap4_all} "
   model=/tmp/qwen15moe-dummy
   python3 benchmark/dummy_model.py --model qwen15moe --out $model >/dev/null
   common=(--model-path $model --load-format dummy --attention-backend triton --sampling-backend pytorch)
-  # 1. The server command with --enable-paged-weight answers a request.
-  python3 -m sglang.launch_server "${common[@]}" --enable-paged-weight --paged-weight-bits 4 --port 30000 \
-    --mem-fraction-static 0.5 --cuda-graph-max-bs 8 >"$OUT/server.log" 2>&1 &
-  for i in $(seq 1 150); do curl -sf localhost:30000/health_generate >/dev/null && break; sleep 2; done
-  curl -s -H 'Content-Type: application/json' localhost:30000/generate \
-    -d '{"text":"hello world","sampling_params":{"max_new_tokens":16,"temperature":0}}' | tee "$OUT/generate.json"; echo
-  grep "PagedWeight:" "$OUT/server.log" | tail -1
-  pkill -f "sglang[.]launch_server"; sleep 5
-  # 2. bench_one_batch side by side: stock bf16 experts vs AP 4-bit experts (same dummy model, same run).
+  if [[ $systems == *" smoke "* ]]; then
+    # 1. The server command with --enable-paged-weight answers a request.
+    python3 -m sglang.launch_server "${common[@]}" --enable-paged-weight --paged-weight-bits 4 --port 30000 \
+      --mem-fraction-static 0.5 --cuda-graph-max-bs 8 >"$OUT/server.log" 2>&1 &
+    for i in $(seq 1 150); do curl -sf localhost:30000/health_generate >/dev/null && break; sleep 2; done
+    curl -s -H 'Content-Type: application/json' localhost:30000/generate \
+      -d '{"text":"hello world","sampling_params":{"max_new_tokens":16,"temperature":0}}' | tee "$OUT/generate.json"; echo
+    grep "PagedWeight:" "$OUT/server.log" | tail -1
+    pkill -f "sglang[.]launch_server"; sleep 5
+  fi
+  # 2. bench_one_batch side by side on the same dummy model: stock bf16; AP 4-bit experts; AP 4-bit experts and
+  #    dense linears (--paged-weight-scope all: attention projections and the shared expert).
   bench=(--batch-size 1 4 16 64 --input-len 2048 --output-len 64 --cuda-graph-max-bs 64 --mem-fraction-static 0.8)
-  timeout 200 python3 -m sglang.bench_one_batch "${common[@]}" "${bench[@]}" --result-filename "$OUT/obb_bf16.jsonl" \
-    >"$OUT/obb_bf16.log" 2>&1; tail -4 "$OUT/obb_bf16.log"
-  timeout 240 python3 benchmark/bench_one_batch.py "${common[@]}" "${bench[@]}" --enable-paged-weight \
-    --paged-weight-bits 4 --result-filename "$OUT/obb_ap4.jsonl" >"$OUT/obb_ap4.log" 2>&1; tail -4 "$OUT/obb_ap4.log"
+  if [[ $systems == *" bf16 "* ]]; then
+    timeout 200 python3 -m sglang.bench_one_batch "${common[@]}" "${bench[@]}" --result-filename "$OUT/obb_bf16.jsonl" \
+      >"$OUT/obb_bf16.log" 2>&1; tail -4 "$OUT/obb_bf16.log"
+  fi
+  if [[ $systems == *" ap4 "* ]]; then
+    timeout 240 python3 benchmark/bench_one_batch.py "${common[@]}" "${bench[@]}" --enable-paged-weight \
+      --paged-weight-bits 4 --result-filename "$OUT/obb_ap4.jsonl" >"$OUT/obb_ap4.log" 2>&1; tail -4 "$OUT/obb_ap4.log"
+  fi
+  if [[ $systems == *" ap4_all "* ]]; then
+    timeout 240 python3 benchmark/bench_one_batch.py "${common[@]}" "${bench[@]}" --enable-paged-weight \
+      --paged-weight-bits 4 --paged-weight-scope all --result-filename "$OUT/obb_ap4_all.jsonl" >"$OUT/obb_ap4_all.log" 2>&1
+    grep "PagedWeight:" "$OUT/obb_ap4_all.log" | tail -2; tail -4 "$OUT/obb_ap4_all.log"
+  fi
+  if [[ $systems == *" scope_check "* ]]; then
+    # --paged-weight-scope all on the GPU against the dequantized-model oracle (tests/test_e2e_scope_all.py)
+    PW_PROBE_DEVICE=cuda timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_e2e_scope_all.py \
+      -k dequantized 2>&1 | grep -v "^\[20" | tail -6 | tee "$OUT/scope_check.txt"
+  fi
 fi
 if [ "$stage" = pressure ]; then
   model=/tmp/qwen15moe-dummy

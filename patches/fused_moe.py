@@ -1,20 +1,15 @@
 """FusedMoE integration: every FusedMoE layer gets the paged-weight MoE method when PagedWeight is on.
 
-FusedMoE asks its quant_config for a method. Models pass one quant_config to every layer, so instead of
-registering a global quantization method we wrap only the argument given to FusedMoE.__init__: dense
-layers keep SGLang's own methods, and no model file is touched.
+FusedMoE asks its quant_config for a method; we wrap only the argument given to FusedMoE.__init__
+(quant_config.py), so dense layers keep SGLang's own methods and no model file is touched.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
-
-import torch
+from typing import Optional
 
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
-
-from pagedweight.config import PagedWeightConfig
 
 logger = logging.getLogger(__name__)
 
@@ -22,41 +17,6 @@ TARGET = "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.__init__"
 # FusedMoE.__init__(num_experts, hidden_size, intermediate_size, layer_id, top_k, num_fused_shared_experts,
 #                   params_dtype, reduce_results, quant_config, ...): index of quant_config after self.
 _QUANT_CONFIG_POS = 8
-
-
-class PagedWeightMoEQuantConfig(QuantizationConfig):
-    """The quant_config handed to FusedMoE: it answers with the paged-weight MoE method."""
-
-    def __init__(self, cfg: PagedWeightConfig, source: Any):
-        super().__init__()
-        self.cfg = cfg
-        self.source = source
-
-    def get_name(self) -> str:
-        return "pagedweight"
-
-    def get_supported_act_dtypes(self) -> list[torch.dtype]:
-        return [torch.bfloat16, torch.float16, torch.float32]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return 0
-
-    @staticmethod
-    def get_config_filenames() -> list[str]:
-        return []
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "PagedWeightMoEQuantConfig":
-        raise TypeError("PagedWeightMoEQuantConfig is built by the PagedWeight plugin, not from a model config")
-
-    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
-        from pagedweight.moe_method import PagedWeightMoEMethod
-
-        return PagedWeightMoEMethod(self.cfg, self.source)
-
-    def get_scaled_act_names(self) -> list[str]:
-        return []
 
 
 def fused_moe_init_around(original, self, *args, **kwargs):
@@ -78,7 +38,11 @@ def fused_moe_init_around(original, self, *args, **kwargs):
             f"the {quant_config.get_name()!r} quantization. Convert the original bf16 checkpoint with "
             f"`pagedweight convert` instead."
         )
-    proxy = PagedWeightMoEQuantConfig(cfg, layer_source_for(server_args, cfg))
+    from pagedweight.moe_method import PagedWeightMoEMethod
+    from pagedweight.patches.quant_config import PagedWeightQuantConfig
+
+    source = layer_source_for(server_args, cfg)
+    proxy = PagedWeightQuantConfig(lambda layer, prefix: PagedWeightMoEMethod(cfg, source))
     if positional:
         args[_QUANT_CONFIG_POS] = proxy
     else:

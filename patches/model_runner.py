@@ -46,7 +46,33 @@ def load_model_after(result, model_runner, *args, **kwargs):
     runtime = PagedRuntime.build(cfg, stores, device)
     model_runner._paged_weight_runtime = runtime
     logger.info(summary_line(runtime))
+    if cfg.scope == "all":
+        logger.info(dense_summary_line(model_runner.model))
     return result
+
+
+def dense_summary_line(model: torch.nn.Module) -> str:
+    """What --paged-weight-scope all serves from AP, and which linears stay bf16."""
+    dense = [m._paged_weight_dense for m in model.modules() if getattr(m, "_paged_weight_dense", None) is not None]
+    if not dense:
+        raise RuntimeError(
+            "--paged-weight-scope all: no dense linear of this model has AP blocks in the checkpoint; convert "
+            "with `pagedweight convert --dense-linears` (or serve with --paged-weight-scope experts)"
+        )
+    from sglang.srt.layers.linear import LinearBase
+
+    kept = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                   if isinstance(m, LinearBase) and getattr(m, "_paged_weight_dense", None) is None})
+    resident = sum(d.device_bytes for d in dense)
+    bf16 = sum(d.bf16_bytes for d in dense)
+    bits = sorted({d.bits for d in dense})
+    lm_head = "lm_head from AP" if any(d.prefix.endswith("lm_head") for d in dense) else \
+        "lm_head bf16 (tied to the embeddings, or not in the checkpoint)"
+    return (
+        f"PagedWeight: scope all: {len(dense)} dense linears at {'/'.join(map(str, bits))} bits (fixed) on device "
+        f"{format_bytes(resident)} (bf16 would be {format_bytes(bf16)}, {resident / max(bf16, 1):.1%}); "
+        f"linears kept in bf16: {', '.join(kept) or 'none'}; {lm_head}; embeddings stay bf16"
+    )
 
 
 def format_bytes(n: float) -> str:

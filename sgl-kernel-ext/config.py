@@ -134,8 +134,18 @@ def default_moe_configs(
     return cfg13, cfg2
 
 
-def default_linear_config(m: int, n: int, k: int, group_size: int | None, num_sms: int = 132) -> APKernelConfig:
+# Dense AP linears (ap_linear) dequantize their weight once per call from this many rows of x on: the same
+# trade as DEQUANT_MIN_PAIRS_PER_EXPERT for one expert (benchmark/linear_bench.py times both paths).
+LINEAR_DEQUANT_MIN_M = 128
+
+
+def default_linear_config(m: int, n: int, k: int, group_size: int | None, num_sms: int = 132,
+                          dequant_min_m: int = LINEAR_DEQUANT_MIN_M) -> APKernelConfig:
+    """Tile rebuild (split-K at small M) below `dequant_min_m` rows; from there dequantize-then-GEMM
+    (dequant_chunk = 1: the weight rebuilt once into a scratch, then one cuBLAS GEMM)."""
     bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 256 else 128
+    if m >= dequant_min_m:
+        return APKernelConfig(block_m=bm, block_n=64, block_k=largest_block_k(k, group_size), dequant_chunk=1)
     bn = 128 if bm >= 64 else 64
     bk = largest_block_k(k, group_size)
     split = split_k_for(triton.cdiv(m, bm) * triton.cdiv(n, bn), k // bk, num_sms)

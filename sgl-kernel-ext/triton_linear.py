@@ -64,6 +64,8 @@ def ap_linear_triton(
     _check_bk(w, cfg.block_k, "linear")
     m = x.shape[0]
     cd = compute_dtype(x.dtype)
+    if cfg.dequant_chunk > 0:
+        return _dequantized_linear(x, w, row, bias, cfg, cd, use_asm)
     if cfg.split_k > 1:
         out = torch.zeros(m, w.N, dtype=torch.float32, device=x.device)
     else:
@@ -78,3 +80,15 @@ def ap_linear_triton(
         **cfg.launch_options(x.is_cuda),
     )
     return out.to(x.dtype) if cfg.split_k > 1 else out
+
+
+def _dequantized_linear(x, w: APMoEWeights, row: int, bias, cfg: APKernelConfig, cd, use_asm: bool) -> torch.Tensor:
+    """Prefill path: the weight is rebuilt once into an N x K scratch (tile column order, so x is permuted
+    the same way), then one dense GEMM (cuBLAS on CUDA); the tile kernel would rebuild it per block of rows."""
+    from pagedweight.kernels.triton_dequant_moe import dequantize_chunk
+
+    scratch = torch.empty(1, w.N, w.K, dtype=cd, device=x.device)
+    dequantize_chunk(w, scratch, row, _TL_DTYPE[cd], cfg.block_n, cfg.block_k, use_asm)
+    xp = permute_inputs(x, w.table_kind, cd)
+    y = torch.nn.functional.linear(xp, scratch[0], None if bias is None else bias.to(cd))
+    return y.to(x.dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ def work_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def server_env(work_dir) -> dict[str, str]:
+    if os.environ.get("PW_PROBE_DEVICE", "cpu") != "cpu":  # GPU machine: tests/support/logprob_probe.py
+        return dict(os.environ)
     return cpu_server_env(build_fake_libcuda(work_dir / "libcuda"))
 
 

@@ -101,6 +101,29 @@ def test_bits_outside_stored_range(ap_qwen2_moe, server_env, cpu_server_flags, t
     )
 
 
+def test_scope_all_needs_dense_blocks(ap_qwen2_moe, server_env, cpu_server_flags, tmp_path):
+    _refuses(
+        ap_qwen2_moe,
+        ["--enable-paged-weight", "--paged-weight-scope", "all"],
+        server_env,
+        cpu_server_flags,
+        tmp_path,
+        "has no dense blocks",
+        "pagedweight convert --dense-linears",
+    )
+
+
+def test_dense_bits_need_scope_all(ap_qwen2_moe, server_env, cpu_server_flags, tmp_path):
+    _refuses(
+        ap_qwen2_moe,
+        ["--enable-paged-weight", "--paged-weight-dense-bits", "4"],
+        server_env,
+        cpu_server_flags,
+        tmp_path,
+        "only --paged-weight-scope all serves",
+    )
+
+
 def test_missing_ap_checkpoint(tiny_qwen2_moe, server_env, cpu_server_flags, tmp_path):
     _refuses(tiny_qwen2_moe, ["--enable-paged-weight"], server_env, cpu_server_flags, tmp_path, "pagedweight convert")
 

@@ -9,50 +9,23 @@ close to uniform, so absolute KLs are small) and KL grows monotonically as bits 
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.support.logprob_probe import distributions, mean_kl
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPT = "the cat sat on the mat and the dog ran in the park while the sun was bright over the hills"
 PARENT_KL_BOUND = 1e-3
 
 
-def _distributions(model_dir, engine_kwargs, env) -> list[list[float]]:
-    r = subprocess.run(
-        [sys.executable, "-m", "tests.support.logprob_probe", str(model_dir), json.dumps(engine_kwargs), PROMPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, f"engine probe failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    return json.loads(r.stdout.strip().splitlines()[-1])["logprobs"]
-
-
-def _mean_kl(ref: list[list[float]], got: list[list[float]]) -> float:
-    assert len(ref) == len(got) and ref
-    total = 0.0
-    for p_row, q_row in zip(ref, got):
-        total += sum(math.exp(p) * (p - q) for p, q in zip(p_row, q_row) if p > -math.inf)
-    return total / len(ref)
-
-
 def test_kl_to_bf16_is_small_at_parent_and_grows_as_bits_drop(tiny_qwen2_moe, ap_qwen2_moe, server_env):
-    env = dict(server_env)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    ref = _distributions(tiny_qwen2_moe, {}, env)
+    env = server_env
+    ref = distributions(tiny_qwen2_moe, {}, env, PROMPT)
     kl = {}
     for bits in (8, 4, 3, 2):
-        got = _distributions(ap_qwen2_moe, {"enable_paged_weight": True, "paged_weight_bits": bits}, env)
-        kl[bits] = _mean_kl(ref, got)
+        got = distributions(ap_qwen2_moe, {"enable_paged_weight": True, "paged_weight_bits": bits}, env, PROMPT)
+        kl[bits] = mean_kl(ref, got)
     print("mean KL(bf16 || paged) by bits:", kl)
     assert kl[8] < PARENT_KL_BOUND, kl
     assert kl[8] <= kl[4] <= kl[3] <= kl[2], kl

@@ -251,7 +251,7 @@ def test_writer_refusals(tmp_path):
                            model=ModelInfo.from_config(CONFIG))
     writer = APCheckpointWriter(tmp_path / "other", table_kind="bcq", bits_min=2, bits_max=5, group_size=8,
                                 model=ModelInfo.from_config(CONFIG))
-    with pytest.raises(ValueError, match="no blocks were added"):
+    with pytest.raises(ValueError, match="no expert blocks were added"):
         writer.finish(progress=False)
     writer = APCheckpointWriter(tmp_path / "third", table_kind="kmeans", bits_min=2, bits_max=5, group_size=8,
                                 model=ModelInfo.from_config(CONFIG))

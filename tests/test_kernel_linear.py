@@ -28,6 +28,29 @@ def test_linear_matches_reference(kind, m, split_k, bias):
         assert rel_err(out, ref) < tolerance(torch.float16)
 
 
+@needs_kernel_device
+@pytest.mark.parametrize("kind", ["bcq", "kmeans"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,bias", [(3, True), (130, False)])
+def test_linear_prefill_path_matches_reference(kind, dtype, m, bias):
+    """dequantize-then-GEMM (the default from LINEAR_DEQUANT_MIN_M rows on), forced also at a small M."""
+    from pagedweight.kernels.config import LINEAR_DEQUANT_MIN_M, default_linear_config
+
+    n, k = 80, 128
+    proj = random_ap_projection(2, n, k, [5, 2], table_kind=kind, group_size=64, bits_min=2, seed=m, device=KERNEL_DEVICE)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).to(KERNEL_DEVICE)
+    b = torch.randn(n).to(dtype).to(KERNEL_DEVICE) if bias else None
+    forced = APKernelConfig(block_m=16, block_n=32, block_k=64, dequant_chunk=1)
+    default = default_linear_config(m, n, k, 64 if kind == "bcq" else None)
+    assert (default.dequant_chunk > 0) == (m >= LINEAR_DEQUANT_MIN_M)
+    for row in (0, 1):
+        ref = x.float() @ dequantize_expert(proj.weights, row).to(x.device).t() + (b.float() if bias else 0)
+        for cfg in (forced, None):
+            out = ap_linear(x, proj.weights, row=row, bias=b, backend="triton", config=cfg)
+            assert out.shape == (m, n) and out.dtype == x.dtype
+            assert rel_err(out, ref) < tolerance(dtype), (row, cfg)
+
+
 def test_cpu_dispatch_runs_the_reference_and_reads_raw_addresses():
     """On CPU, auto = torch reference; without a resident view it reads the page table's host addresses."""
     p13 = random_ap_projection(3, 64, 32, [2, 4, 8], group_size=32, bits_min=2, seed=0)

@@ -16,6 +16,7 @@ AP_SUBDIR = "pagedweight"
 # "auto": quality when the AP checkpoint has a calibration file, else hotness. "scripted": a deterministic
 # lowest-layer-first policy (tests, mechanism experiments).
 POLICIES = ("auto", "static", "quality", "hotness", "scripted")
+SCOPES = ("experts", "all")
 
 
 class PagedWeightConfigError(ValueError):
@@ -46,6 +47,12 @@ class PagedWeightConfig:
     verify: bool = True
     # Fill freed plane memory with NaN bytes before reuse, so a stale read shows up as NaN logits.
     debug_poison: bool = False
+    # Which linears are served from AP: the MoE experts only, or also the dense linears the checkpoint
+    # holds (attention projections from `convert --dense-linears`, shared experts).
+    scope: str = "experts"
+    # Fixed bitwidth of the dense AP linears under scope "all" (None: --paged-weight-bits, else the parent).
+    # The planner moves expert blocks only; dense blocks keep this bitwidth.
+    dense_bits: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.bits is not None and not 1 <= self.bits <= 8:
@@ -75,6 +82,15 @@ class PagedWeightConfig:
         if self.bits_map is not None and self.bits is not None:
             raise PagedWeightConfigError(
                 "--paged-weight-bits and --paged-weight-bits-map both set the initial bitwidths; give one"
+            )
+        if self.scope not in SCOPES:
+            raise PagedWeightConfigError(f"--paged-weight-scope must be one of {SCOPES}, got {self.scope!r}")
+        if self.dense_bits is not None and not 1 <= self.dense_bits <= 8:
+            raise PagedWeightConfigError(f"--paged-weight-dense-bits must be between 1 and 8, got {self.dense_bits}")
+        if self.dense_bits is not None and self.scope != "all":
+            raise PagedWeightConfigError(
+                "--paged-weight-dense-bits sets the bitwidth of dense AP linears, which only "
+                "--paged-weight-scope all serves; add it or drop --paged-weight-dense-bits"
             )
         if self.bits_map is not None and not os.path.isfile(self.bits_map):
             raise PagedWeightConfigError(f"--paged-weight-bits-map {self.bits_map}: no such file")
@@ -108,6 +124,8 @@ _KWARG_TO_FIELD = {
     "paged_weight_max_inflight_mib": "max_inflight_mib",
     "paged_weight_debug_poison": "debug_poison",
     "paged_weight_verify": "verify",
+    "paged_weight_scope": "scope",
+    "paged_weight_dense_bits": "dense_bits",
 }
 
 
@@ -182,6 +200,22 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="Check every AP file's SHA-256 against the manifest before serving (--no-paged-weight-verify "
         "checks only sizes and headers; hashing reads the whole checkpoint once at startup).",
+    )
+    group.add_argument(
+        "--paged-weight-scope",
+        type=str,
+        default="experts",
+        choices=SCOPES,
+        help="experts: AP for the MoE experts only (default; measured faster). all: also the dense linears the "
+        "checkpoint holds (attention projections from `pagedweight convert --dense-linears`, shared experts), "
+        "at the fixed --paged-weight-dense-bits.",
+    )
+    group.add_argument(
+        "--paged-weight-dense-bits",
+        type=int,
+        default=None,
+        help="Bitwidth of the dense AP linears under --paged-weight-scope all (default: --paged-weight-bits, "
+        "else the parent); fixed while serving.",
     )
     group.add_argument(
         "--paged-weight-debug-poison",

@@ -1,7 +1,7 @@
 """`pagedweight convert`: Hugging Face MoE checkpoint -> AP checkpoint (docs/format.md, "Converter").
 
-Every routed and shared expert linear (gate, up, down) is quantized to bit-planes + per-bitwidth tables;
-everything else is copied unchanged into the output's top-level safetensors, so the output directory is a
+Every routed and shared expert linear (gate, up, down) is quantized to bit-planes + per-bitwidth tables,
+and with --dense-linears the attention projections and an untied lm_head too (for --paged-weight-scope all); everything else is copied unchanged into the output's top-level safetensors, so the output directory is a
 complete model SGLang can serve (`--model-path OUT`). The source is read one safetensors shard at a time.
 The output is built in OUT.partial-<pid> and renamed to OUT only when complete.
 """
@@ -15,7 +15,7 @@ import logging
 import os
 import shutil
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from pagedweight.format.arch import EXPERT_NAME_HINTS, PROJS, SHARED, ArchAdapter, BlockKey, adapter_for, block_name
+from pagedweight.format.arch import DENSE_LINEAR, EXPERT_NAME_HINTS, PROJS, SHARED, ArchAdapter, BlockKey, adapter_for, block_name
 from pagedweight.format.checkpoint import APCheckpointWriter
 from pagedweight.format.layout import TABLE_KINDS
 from pagedweight.format.manifest import AP_SUBDIR, ModelInfo
@@ -56,6 +56,7 @@ class ConvertOptions:
     max_shard_bytes: int = 1 << 30
     progress: bool = True
     workers: int = 1  # >1: quantize blocks in a process pool (same bytes out, see _quantize_blocks)
+    dense_linears: bool = False  # also quantize the attention projections and lm_head (manifest "dense")
 
     def validate(self) -> None:
         if self.table_kind not in TABLE_KINDS:
@@ -86,6 +87,7 @@ class SourceModel:
     shards: list[Path]
     shard_of: dict[str, Path]  # tensor name -> shard file
     experts: dict[str, BlockKey]  # HF weight name -> block key
+    dense: set[str] = field(default_factory=set)  # HF weight names of the dense linears (attention projections)
 
     @classmethod
     def scan(cls, model_dir: str | Path) -> SourceModel:
@@ -130,6 +132,8 @@ class SourceModel:
             key = self.adapter.classify(name)
             if key is not None:
                 self.experts[name] = key
+            elif DENSE_LINEAR.fullmatch(name):
+                self.dense.add(name)
             elif any(hint in name for hint in EXPERT_NAME_HINTS):
                 unknown.append(name)
         if unknown:
@@ -244,11 +248,16 @@ def _copy_side_files(model_dir: Path, partial: Path) -> None:
 
 
 def _check_expert_shapes(source: SourceModel, opts: ConvertOptions) -> None:
-    """Refuse before any work starts: every expert weight must be 2-D, K % 8 == 0, K divisible into groups."""
+    """Refuse before any work starts: every block's weight must be 2-D, K % 8 == 0, K divisible into groups."""
+    if opts.dense_linears and not source.dense:
+        raise ConversionError(
+            f"--dense-linears: {source.model_dir} has no attention projections or lm_head named like "
+            f"{DENSE_LINEAR.pattern!r}; convert without --dense-linears"
+        )
     for shard in source.shards:
         with safe_open(str(shard), framework="pt") as f:
             for name in f.keys():
-                if name not in source.experts:
+                if name not in source.experts and not (opts.dense_linears and name in source.dense):
                     continue
                 shape = f.get_slice(name).get_shape()
                 if len(shape) != 2 or shape[1] % 8:
@@ -264,7 +273,7 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, **options: An
     """Convert the HF MoE model in `model_dir` to an AP checkpoint at `out_dir`; return `out_dir`.
 
     Options are the fields of ConvertOptions (table_kind, bits_min, bits_max, group_size, calib_text,
-    calib_tokens, seed, standalone_ap_dir, force, max_shard_bytes, progress, workers).
+    calib_tokens, seed, standalone_ap_dir, force, max_shard_bytes, progress, workers, dense_linears).
     """
     known = {f.name for f in fields(ConvertOptions)}
     if unknown := sorted(set(options) - known):
@@ -351,7 +360,8 @@ def _convert_into(source: SourceModel, partial: Path, opts: ConvertOptions) -> N
     dense_parts: list[dict[str, torch.Tensor]] = []
     sse = {b: 0.0 for b in range(opts.bits_min, opts.bits_max + 1)}
     energy = 0.0
-    with tqdm(total=len(source.experts), desc=f"quantize experts ({opts.table_kind})", unit="block",
+    dense_names = source.dense if opts.dense_linears else set()
+    with tqdm(total=len(source.experts) + len(dense_names), desc=f"quantize blocks ({opts.table_kind})", unit="block",
               disable=not opts.progress) as bar, _block_quantizer(opts) as quantize:
         for shard in source.shards:
             dense: dict[str, torch.Tensor] = {}
@@ -359,6 +369,12 @@ def _convert_into(source: SourceModel, partial: Path, opts: ConvertOptions) -> N
             with safe_open(str(shard), framework="pt") as f:
                 for name in sorted(f.keys()):
                     key = source.experts.get(name)
+                    if name in dense_names:
+                        # uniform column weights: calibration collects expert inputs only
+                        if not opts.standalone_ap_dir:
+                            dense[name] = f.get_tensor(name)  # kept for --paged-weight-scope experts
+                        jobs.append((name, None, None))
+                        continue
                     if key is None or key.expert == SHARED:
                         # Shared experts are quantized too, but SGLang serves them as dense layers, so their
                         # bf16 weights also stay in the servable model.
@@ -369,7 +385,10 @@ def _convert_into(source: SourceModel, partial: Path, opts: ConvertOptions) -> N
                     jobs.append((name, key, None if stats is None else stats.hessian.get(key)))
             # Blocks come back in job order, so shards, manifest and the error sums are the same for any pool size.
             for (name, key, _), (block, block_energy) in zip(jobs, quantize(shard, jobs), strict=True):
-                writer.add(block_name(name), key, block)
+                if key is None:
+                    writer.add_dense(block_name(name), block)
+                else:
+                    writer.add(block_name(name), key, block)
                 for b, value in block.fit_sse.items():
                     sse[b] += value
                 energy += block_energy
@@ -404,6 +423,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--standalone-ap-dir", action="store_true",
                         help="write only OUT/pagedweight/ (serve with --model-path HF_DIR --paged-weight-path OUT)")
     parser.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    parser.add_argument("--dense-linears", action="store_true",
+                        help="also quantize the attention projections (q/k/v/o) and an untied lm_head, for "
+                        "--paged-weight-scope all")
     parser.add_argument("--workers", type=int, default=1,
                         help="quantize expert blocks in N processes of one thread each (output bytes do not depend on N)")
     parser.set_defaults(func=_run_cli)
@@ -416,6 +438,7 @@ def _run_cli(args: argparse.Namespace) -> int:
             args.model, args.out, table_kind=args.table_kind, bits_min=args.bits_min, bits_max=args.bits_max,
             group_size=args.group_size, calib_text=args.calib_text, calib_tokens=args.calib_tokens, seed=args.seed,
             standalone_ap_dir=args.standalone_ap_dir, force=args.force, workers=args.workers,
+            dense_linears=args.dense_linears,
         )
     except ConversionError as exc:
         print(f"pagedweight convert: error: {exc}", file=sys.stderr)

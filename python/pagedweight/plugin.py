@@ -10,10 +10,11 @@ from __future__ import annotations
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from pagedweight.patches import fused_moe, kv_cache, model_runner, scheduler, server_args
+    from pagedweight.patches import fused_moe, kv_cache, linear, model_runner, scheduler, server_args
 
     server_args.register(HookRegistry, HookType)
     fused_moe.register(HookRegistry, HookType)
+    linear.register(HookRegistry, HookType)
     model_runner.register(HookRegistry, HookType)
     kv_cache.register(HookRegistry, HookType)  # before scheduler: its __init__ hook reads _paged_weight_kv
     scheduler.register(HookRegistry, HookType)

@@ -52,6 +52,7 @@ def check_paged_weight_launch(server_args: Any, cfg: PagedWeightConfig) -> None:
         from pagedweight.layer_sources import DUMMY_BITS_MAX, DUMMY_BITS_MIN
 
         _check_bits(cfg, DUMMY_BITS_MIN, DUMMY_BITS_MAX, "the dummy AP planes")
+        _check_dense_bits(cfg, DUMMY_BITS_MIN, DUMMY_BITS_MAX, "the dummy AP planes")
         _check_bits_map(cfg, DUMMY_BITS_MIN, DUMMY_BITS_MAX, hf_config)
         return
     from pagedweight.format.checkpoint import APCheckpoint, APCheckpointError
@@ -64,6 +65,12 @@ def check_paged_weight_launch(server_args: Any, cfg: PagedWeightConfig) -> None:
     except APCheckpointError as e:
         raise PagedWeightStartupError(f"--enable-paged-weight: {e}") from None
     _check_bits(cfg, ckpt.bits_min, ckpt.bits_max, f"the AP checkpoint {ap_dir!r}")
+    _check_dense_bits(cfg, ckpt.bits_min, ckpt.bits_max, f"the AP checkpoint {ap_dir!r}")
+    if cfg.scope == "all" and not ckpt.dense_names():
+        raise PagedWeightStartupError(
+            f"--paged-weight-scope all: the AP checkpoint {ap_dir!r} has no dense blocks (it holds expert blocks "
+            "only); re-convert with `pagedweight convert --dense-linears`, or serve with --paged-weight-scope experts"
+        )
     _check_bits_map(cfg, ckpt.bits_min, ckpt.bits_max, hf_config)
 
 
@@ -72,6 +79,14 @@ def _check_bits(cfg: PagedWeightConfig, lo: int, hi: int, what: str) -> None:
         raise PagedWeightStartupError(
             f"--paged-weight-bits {cfg.bits} is outside the range {lo}..{hi} stored in {what}; pick a bitwidth "
             f"in {lo}..{hi} (or re-convert with `pagedweight convert --bits-min/--bits-max`)"
+        )
+
+
+def _check_dense_bits(cfg: PagedWeightConfig, lo: int, hi: int, what: str) -> None:
+    if cfg.dense_bits is not None and not lo <= cfg.dense_bits <= hi:
+        raise PagedWeightStartupError(
+            f"--paged-weight-dense-bits {cfg.dense_bits} is outside the range {lo}..{hi} stored in {what}; pick a "
+            f"bitwidth in {lo}..{hi}"
         )
 
 

@@ -90,6 +90,11 @@ ADAPTERS: dict[str, ArchAdapter] = {
     ),
 }
 
+# Dense linears that `pagedweight convert --dense-linears` quantizes too (served under --paged-weight-scope
+# all): the attention projections and an untied lm_head, named alike by every supported family. Routers
+# stay bf16 (tiny, and their logits pick the experts), and so do the embeddings (a lookup, not a GEMM).
+DENSE_LINEAR = re.compile(r"(?:model\.layers\.\d+\.self_attn\.(?:q_proj|k_proj|v_proj|o_proj)|lm_head)\.weight")
+
 # Tensors under these name fragments are expert weights; one that no adapter pattern matches (e.g. the
 # fused 3-D `experts.gate_up_proj` of some exporters) must not be silently copied as a dense tensor.
 EXPERT_NAME_HINTS: tuple[str, ...] = (".experts.", ".shared_expert.")

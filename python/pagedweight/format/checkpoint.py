@@ -29,6 +29,7 @@ from pagedweight.format.manifest import (
     AP_SUBDIR,
     MANIFEST_NAME,
     APCheckpointError,
+    DenseEntry,
     FileEntry,
     Manifest,
     ModelInfo,
@@ -145,6 +146,14 @@ class APCheckpoint:
         """AP tensor names (HF weight names without '.weight'), ordered by (layer, expert, proj)."""
         return sorted(self.manifest.tensors, key=lambda n: self.manifest.tensors[n].key.sort_key())
 
+    def dense_names(self) -> list[str]:
+        """AP tensor names of dense linears (`convert --dense-linears`), sorted; empty for expert-only checkpoints."""
+        return sorted(self.manifest.dense)
+
+    def has_block(self, name: str) -> bool:
+        """Whether `name` is an expert block or a dense block of this checkpoint."""
+        return name in self.manifest.tensors or name in self.manifest.dense
+
     def blocks(self) -> dict[BlockKey, str]:
         """Every block key -> AP tensor name, ordered by (layer, expert, proj)."""
         return {self.manifest.tensors[n].key: n for n in self.names()}
@@ -199,9 +208,9 @@ class APCheckpoint:
                 f"pick a bitwidth in that range or reconvert with --bits-min/--bits-max"
             )
 
-    def _entry(self, name: str) -> TensorEntry:
+    def _entry(self, name: str) -> TensorEntry | DenseEntry:
         try:
-            return self.manifest.tensors[name]
+            return self.manifest.tensors[name] if name in self.manifest.tensors else self.manifest.dense[name]
         except KeyError:
             raise APCheckpointError(
                 f"{self._manifest_path} has no tensor {name!r}; known blocks look like {self.names()[0]!r}"
@@ -265,7 +274,7 @@ class APCheckpoint:
                             f"{self.directory / file}: SHA-256 {digest[:16]}... does not match the manifest's "
                             f"{entry.sha256[:16]}...; the file is corrupt, re-run `pagedweight convert`"
                         )
-        for name in self.names():
+        for name in self.names() + self.dense_names():
             spec = self.spec(name)
             handle = self._handle(self._entry(name).file)
             expected = {planes_tensor_name(name): (spec.planes_shape(), "U8")}
@@ -341,10 +350,18 @@ class APCheckpointWriter:
         self._pending_names: list[str] = []
         self._pending_bytes = 0
         self._parts: list[tuple[Path, list[str]]] = []
-        self._entries: dict[str, tuple[tuple[int, int], int, BlockKey]] = {}
+        self._entries: dict[str, tuple[tuple[int, int], int, BlockKey | None]] = {}
         self._finished = False
 
     def add(self, name: str, key: BlockKey, block: QuantizedBlock) -> None:
+        """An expert block (routed or shared)."""
+        self._stage(name, key, block)
+
+    def add_dense(self, name: str, block: QuantizedBlock) -> None:
+        """A dense linear's block (attention projection), listed under the manifest's "dense"."""
+        self._stage(name, None, block)
+
+    def _stage(self, name: str, key: BlockKey | None, block: QuantizedBlock) -> None:
         spec = block.spec
         if self._finished:
             raise RuntimeError("add() after finish()")
@@ -374,24 +391,28 @@ class APCheckpointWriter:
 
     def finish(self, progress: bool = True) -> Manifest:
         """Close the last shard, name and hash the shards, write manifest.json atomically."""
-        if not self._entries:
-            raise ValueError("no blocks were added; an AP checkpoint needs at least one expert block")
+        if not any(key is not None for _, _, key in self._entries.values()):
+            raise ValueError("no expert blocks were added; an AP checkpoint needs at least one expert block")
         self._flush()
         self._finished = True
         count = len(self._parts)
         files: dict[str, FileEntry] = {}
         tensors: dict[str, TensorEntry] = {}
+        dense: dict[str, DenseEntry] = {}
         for index, (tmp_path, names) in enumerate(tqdm(self._parts, desc="hash AP shards", disable=not progress)):
             final = f"ap-{index + 1:05d}-of-{count:05d}.safetensors"
             os.replace(tmp_path, self.ap_dir / final)
             files[final] = FileEntry((self.ap_dir / final).stat().st_size, sha256_file(self.ap_dir / final))
             for name in names:
                 shape, group_size, key = self._entries[name]
-                tensors[name] = TensorEntry(shape, group_size, final, key)
+                if key is None:
+                    dense[name] = DenseEntry(shape, group_size, final)
+                else:
+                    tensors[name] = TensorEntry(shape, group_size, final, key)
         ordered = dict(sorted(tensors.items(), key=lambda item: item[1].key.sort_key()))
         manifest = Manifest(
             **self._params, model=self._model, calibration=self._calibration, seed=self._seed,
-            tensors=ordered, files=files,
+            tensors=ordered, files=files, dense=dict(sorted(dense.items())),
         )
         write_manifest_atomically(self.ap_dir, manifest)
         return manifest

@@ -5,6 +5,8 @@ Besides the keys docs/format.md lists, this writer adds (readers must tolerate t
                        mismatch error can say which key differs;
   tensors[*].layer / .expert / .proj   the block key (expert = index or "shared"); when absent, the
                        reader derives it from the HF name through the model_type's arch adapter.
+  dense                AP blocks of dense linears (attention projections), written by `pagedweight convert
+                       --dense-linears`; absent (= none) in checkpoints of expert blocks only.
 """
 
 from __future__ import annotations
@@ -98,6 +100,15 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
+class DenseEntry:
+    """A dense linear's AP block (served under --paged-weight-scope all); not a routed/shared expert."""
+
+    shape: tuple[int, int]  # [N, K] of the original weight
+    group_size: int
+    file: str
+
+
+@dataclass(frozen=True)
 class FileEntry:
     bytes: int
     sha256: str
@@ -114,6 +125,7 @@ class Manifest:
     seed: int
     tensors: dict[str, TensorEntry]
     files: dict[str, FileEntry]
+    dense: dict[str, DenseEntry] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         model = {
@@ -136,7 +148,7 @@ class Manifest:
             }
             for name, e in self.tensors.items()
         }
-        return {
+        out = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "table_kind": self.table_kind,
@@ -149,6 +161,12 @@ class Manifest:
             "tensors": tensors,
             "files": {name: {"bytes": f.bytes, "sha256": f.sha256} for name, f in self.files.items()},
         }
+        if self.dense:  # absent rather than empty, so expert-only checkpoints keep their exact bytes
+            out["dense"] = {
+                name: {"shape": list(e.shape), "group_size": e.group_size, "file": e.file}
+                for name, e in self.dense.items()
+            }
+        return out
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> Manifest:
@@ -213,5 +231,21 @@ class Manifest:
             if file not in files:
                 raise fail(f"tensor {name!r} points to {file!r}, which the manifest's \"files\" does not list")
             tensors[name] = TensorEntry(shape, tensor_group, file, key)  # type: ignore[arg-type]
+        dense: dict[str, DenseEntry] = {}
+        raw_dense = data.get("dense") or {}
+        if not isinstance(raw_dense, dict):
+            raise fail("\"dense\" must map tensor names to entries; re-run `pagedweight convert`")
+        for name, entry in raw_dense.items():
+            try:
+                shape = tuple(int(d) for d in entry["shape"])
+                dense[name] = DenseEntry(shape, int(entry.get("group_size", group_size)), str(entry["file"]))  # type: ignore[arg-type]
+            except (KeyError, TypeError, ValueError) as exc:
+                raise fail(f"malformed dense entry for tensor {name!r} ({exc}); re-run `pagedweight convert`") from exc
+            if len(shape) != 2:
+                raise fail(f"dense tensor {name!r} has shape {list(shape)}, expected [out_features, in_features]")
+            if dense[name].file not in files:
+                raise fail(f"dense tensor {name!r} points to {dense[name].file!r}, which \"files\" does not list")
+            if name in tensors:
+                raise fail(f"tensor {name!r} is listed both as an expert block and as a dense block")
         return cls(table_kind, bits_min, bits_max, group_size, model, data.get("calibration"),
-                   int(data.get("seed", 0)), tensors, files)
+                   int(data.get("seed", 0)), tensors, files, dense)
