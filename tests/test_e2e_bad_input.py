@@ -113,6 +113,23 @@ def test_scope_all_needs_dense_blocks(ap_qwen2_moe, server_env, cpu_server_flags
     )
 
 
+def test_scope_all_tp_shards_must_fall_on_groups(tiny_qwen2_moe, work_dir, server_env, cpu_server_flags, tmp_path):
+    """o_proj has 64 inputs at group 64: two ranks would each keep half a group. Refused at launch."""
+    from pagedweight.convert import convert_checkpoint
+
+    ap = convert_checkpoint(tiny_qwen2_moe, work_dir / "ap-qwen2-moe-dense-g64", bits_min=2, bits_max=8, seed=0,
+                            dense_linears=True, progress=False)
+    _refuses(
+        ap,
+        ["--enable-paged-weight", "--paged-weight-scope", "all", "--tp", "2"],
+        server_env,
+        cpu_server_flags,
+        tmp_path,
+        "self_attn.o_proj has 64 inputs, so each rank would keep 32",
+        "re-convert with a smaller --group-size",
+    )
+
+
 def test_dense_bits_need_scope_all(ap_qwen2_moe, server_env, cpu_server_flags, tmp_path):
     _refuses(
         ap_qwen2_moe,

@@ -71,6 +71,8 @@ def check_paged_weight_launch(server_args: Any, cfg: PagedWeightConfig) -> None:
             f"--paged-weight-scope all: the AP checkpoint {ap_dir!r} has no dense blocks (it holds expert blocks "
             "only); re-convert with `pagedweight convert --dense-linears`, or serve with --paged-weight-scope experts"
         )
+    if cfg.scope == "all":
+        _check_row_parallel_shards(ckpt, int(getattr(server_args, "tp_size", 1) or 1))
     _check_bits_map(cfg, ckpt.bits_min, ckpt.bits_max, hf_config)
 
 
@@ -80,6 +82,28 @@ def _check_bits(cfg: PagedWeightConfig, lo: int, hi: int, what: str) -> None:
             f"--paged-weight-bits {cfg.bits} is outside the range {lo}..{hi} stored in {what}; pick a bitwidth "
             f"in {lo}..{hi} (or re-convert with `pagedweight convert --bits-min/--bits-max`)"
         )
+
+
+# Dense linears SGLang splits by input columns over TP ranks (RowParallelLinear).
+_ROW_PARALLEL_SUFFIXES = (".self_attn.o_proj", ".shared_expert.down_proj")
+
+
+def _check_row_parallel_shards(ckpt: Any, tp: int) -> None:
+    """Under --tp N each rank of a row-parallel dense linear keeps K / N input columns: whole plane bytes and,
+    for bcq, whole groups. Refused here rather than in every scheduler process while it loads."""
+    if tp <= 1:
+        return
+    for name in ckpt.dense_names() + ckpt.names():
+        if not name.endswith(_ROW_PARALLEL_SUFFIXES):
+            continue
+        spec = ckpt.spec(name)
+        part = spec.in_features // tp
+        if spec.in_features % tp or part % 8 or (spec.table_kind == "bcq" and part % spec.group_size):
+            raise PagedWeightStartupError(
+                f"--paged-weight-scope all with --tp {tp}: {name} has {spec.in_features} inputs, so each rank would "
+                f"keep {spec.in_features / tp:g}, not a multiple of 8 and of the bcq group size {spec.group_size}; "
+                "re-convert with a smaller --group-size, use a smaller --tp, or serve with --paged-weight-scope experts"
+            )
 
 
 def _check_dense_bits(cfg: PagedWeightConfig, lo: int, hi: int, what: str) -> None:
