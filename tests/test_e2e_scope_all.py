@@ -1,6 +1,6 @@
-"""End to end: --paged-weight-scope all serves the attention projections and shared experts from AP planes.
+"""End to end: --paged-weight-scope all serves the attention projections, shared experts and lm_head from AP planes.
 
-The oracle is a copy of the converted model whose attention and shared-expert bf16 weights are replaced by
+The oracle is a copy of the converted model whose attention, shared-expert and lm_head bf16 weights are replaced by
 their q-bit AP dequantizations, served with the experts from AP at the same q (scope experts). A scope-all
 server on the original conversion must answer with the same distributions (up to the bf16 rounding of the
 oracle's weights), and measurably differently from scope experts, whose attention is the bf16 original.
