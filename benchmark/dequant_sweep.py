@@ -80,6 +80,17 @@ def main() -> None:
     print("copy TB/s", doc["copy_TBps"], "best:", json.dumps({"/".join(k): v for k, v in best.items()}))
 
 
+def replay_median_us(graph, reps: int) -> float:
+    """Median microseconds of one replay of a captured CUDA graph (benchmark/linear_bench.py, lut_gemv_probe.py)."""
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in ev:
+        a.record()
+        graph.replay()
+        b.record()
+    torch.cuda.synchronize()
+    return sorted(a.elapsed_time(b) for a, b in ev)[reps // 2] * 1e3
+
+
 def fastest(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, dict]:
     """The fastest timed row per combination of `keys` (rows with an error are skipped)."""
     best: dict[tuple, dict] = {}

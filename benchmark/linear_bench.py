@@ -26,6 +26,8 @@ from pagedweight.kernels import ap_linear
 from pagedweight.kernels.config import LINEAR_DEQUANT_MIN_M, default_linear_config
 from pagedweight.kernels.testing import random_ap_projection
 
+from dequant_sweep import replay_median_us  # benchmark/ is on sys.path when this runs as a script
+
 
 SHAPES = {
     "qwen15moe_qkv": (6144, 2048), "qwen15moe_o": (2048, 2048),
@@ -49,13 +51,7 @@ def _replay_us(body, reps: int) -> float:
             body()
     graph.replay()
     torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        graph.replay()
-        b.record()
-    torch.cuda.synchronize()
-    return sorted(a.elapsed_time(b) for a, b in ev)[reps // 2] * 1e3
+    return replay_median_us(graph, reps)
 
 
 def graph_time_us(fn, flush: torch.Tensor, flush_us: float, reps: int = 20) -> float:

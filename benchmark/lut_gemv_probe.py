@@ -139,13 +139,9 @@ def time_us(fn, reps: int = 50) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        g.replay()
-        b.record()
-    torch.cuda.synchronize()
-    return sorted(a.elapsed_time(b) for a, b in ev)[reps // 2] * 1e3
+    from dequant_sweep import replay_median_us  # benchmark/ is on sys.path when this runs as a script
+
+    return replay_median_us(g, reps)
 
 
 def bench(device, rows: list[dict], budget_s: float) -> None:
