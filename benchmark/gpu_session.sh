@@ -6,6 +6,7 @@
 #                                           # kernels: dense GEMMs on SGLang's kernel vs ours after dequantization
 #   bash benchmark/gpu_session.sh lut       # probes, no devicekit needed: activation-LUT GEMV (benchmark/lut_gemv_probe.py)
 #                                           # and the prefill dequantization alone (benchmark/dequant_sweep.py)
+#   bash benchmark/gpu_session.sh lutk      # CUDA LUT kernel: GPU tests + linear and MoE decode timings (no devicekit)
 #   bash benchmark/gpu_session.sh linear    # dense AP linear tests + benchmark/linear_bench.py (no devicekit needed)
 #   bash benchmark/gpu_session.sh serve     # server smoke test + bench_one_batch stock bf16 vs AP 4-bit experts vs
 #                                           # AP 4-bit scope all (SERVE_SYSTEMS="smoke bf16 ap4 ap4_all scope_check")
@@ -50,6 +51,16 @@ fi
 if [ "$stage" = lut ]; then
   timeout 300 python3 benchmark/lut_gemv_probe.py --out "$OUT/lut_probe.json" --budget-s 230 2>&1 | grep -v "^{" | tail -12
   timeout 200 python3 benchmark/dequant_sweep.py --out "$OUT/dequant_sweep.json" --budget-s 150 2>&1 | tail -2
+fi
+
+if [ "$stage" = lutk ]; then
+  # the CUDA LUT kernel (no devicekit needed): GPU correctness of it and of the Triton kernels it sits beside,
+  # then dense GEMVs (LUT vs tiles vs cuBLAS bf16) and the MoE at decode sizes (default dispatch vs the other kernel)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_lut.py tests/test_kernel_moe.py \
+    tests/test_kernel_linear.py 2>&1 | tail -12 | tee "$OUT/gpu_tests_lut.txt"
+  timeout 150 python3 benchmark/linear_bench.py --ms 1,4,8,16 --out "$OUT/linear_bench_lut.json" 2>&1 | tail -40
+  timeout 200 python3 benchmark/kernel_bench.py --ms 1,4,16,64 --cases u4,mix4 --kinds bcq --check-m 4 \
+    --out "$OUT/kernel_lut.json" --time-budget-s 150 2>&1 | tail -40
 fi
 
 if [ "$stage" = linear ]; then

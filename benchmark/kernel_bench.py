@@ -33,7 +33,7 @@ from dataclasses import replace
 import torch
 
 from pagedweight.kernels import APKernelConfig, ap_fused_moe
-from pagedweight.kernels.config import default_moe_configs
+from pagedweight.kernels.config import default_moe_configs, prefer_lut
 from pagedweight.kernels.sglang_dense_moe import sglang_moe_configs
 from pagedweight.kernels.reference import ap_fused_moe_reference
 from pagedweight.kernels.testing import random_ap_projection
@@ -316,20 +316,31 @@ def main() -> None:
                     r = dict(model=mk, impl="ap", kind=kind, case=case, M=M, experts_hit=len(hit),
                              avg_bits_hit=sum(b13[e] + b2[e] for e in hit) / (2 * len(hit)),
                              weight_bytes=ap_bytes(b13, b2, hit, model, kind), cfg13=vars(c13), cfg2=vars(c2))
-                    variants = [("asm", True, c13, c2)]
+                    # "default" is what ap_fused_moe picks by itself (the headline); the others are the same
+                    # call on the other kernels, same run
+                    lut_default = kind == "bcq" and prefer_lut(M * topk, E)
+                    r["default_kernel"] = "lut" if lut_default else "dequant" if c13.dequant_chunk else "tiles"
+                    variants = [("default", dict(), c13, c2)]
+                    if lut_default:
+                        variants.append(("tiles", dict(configs=(c13, c2)), c13, c2))
+                    elif kind == "bcq" and c13.dequant_chunk == 0:
+                        variants.append(("lut", dict(kernel="lut"), c13, c2))
                     if args.no_asm_case and case == "u4" and kind == "bcq":
-                        variants.append(("noasm", False, c13, c2))
+                        variants.append(("noasm", dict(configs=(c13, c2), use_asm=False), c13, c2))
                     if c13.dequant_chunk > 0:
                         # prefill, same run: the dense GEMMs on the other kernel (ours / SGLang's), and the tile
                         # kernels (no dequantization) that smaller M uses
                         other = "sglang" if c13.dense_gemm == "triton" else "triton"
-                        variants.append((f"dense_{other}", True, replace(c13, dense_gemm=other), c2))
+                        o13 = replace(c13, dense_gemm=other)
+                        variants.append((f"dense_{other}", dict(configs=(o13, c2)), o13, c2))
                         t13, t2 = default_moe_configs(M, topk, E, I, H, (H, w13.bcq_group), (I, w2.bcq_group),
                                                       num_sms=props.multi_processor_count,
                                                       dequant_min_pairs_per_expert=float("inf"))
-                        variants.append(("tiles", True, t13, t2))
-                    for vname, use_asm, v13, v2 in variants:
+                        variants.append(("tiles", dict(configs=(t13, t2)), t13, t2))
+                    for vname, kw, v13, v2 in variants:
                         rv = dict(r, variant=vname, cfg13=vars(v13), cfg2=vars(v2))
+                        if "lut" in (vname, r["default_kernel"] if vname == "default" else None):
+                            rv.pop("cfg13"), rv.pop("cfg2")
                         try:
                             if v13.dequant_chunk > 0 and v13.dense_gemm == "sglang":
                                 # only this variant needs sglang: its execution context (default ServerArgs), as
@@ -339,10 +350,10 @@ def main() -> None:
                                 setup_sglang()
                                 rv["sglang_gemm"] = vars(sglang_moe_configs(M, E, I, H, topk, torch.bfloat16))
                             t = time.time()
-                            ap_fused_moe(x, tw, ids, w13, w2, configs=(v13, v2), use_asm=use_asm)
+                            ap_fused_moe(x, tw, ids, w13, w2, **kw)
                             torch.cuda.synchronize()
                             rv["first_call_s"] = round(time.time() - t, 2)
-                            st = graph_time(lambda: ap_fused_moe(x, tw, ids, w13, w2, configs=(v13, v2), use_asm=use_asm),
+                            st = graph_time(lambda: ap_fused_moe(x, tw, ids, w13, w2, **kw),
                                             nreps(100 + M, args.case_budget_s, args.min_reps, args.max_reps), flush)
                             rv.update(us=st["median"], stats=st, status="ok")
                             rv["TBps"] = rv["weight_bytes"] / (rv["us"] * 1e-6) / 1e12
@@ -409,7 +420,7 @@ def load_baseline(path: str) -> dict:
 def _ap_us(results, model, M, kind="bcq", case="u4"):
     for r in results:
         if (r.get("impl") == "ap" and r["model"] == model and r["M"] == M and r["kind"] == kind and r["case"] == case
-                and r.get("variant") == "asm" and r.get("status") == "ok"):
+                and r.get("variant") == "default" and r.get("status") == "ok"):
             return r["us"]
     return None
 
@@ -441,6 +452,12 @@ def headline(results, baseline_json) -> dict:
     return h
 
 
+def _variant_label(r: dict) -> str:
+    """'default (lut)' for what ap_fused_moe picks by itself, else the forced kernel."""
+    v = r.get("variant", "")
+    return f"default ({r['default_kernel']})" if v == "default" and "default_kernel" in r else v
+
+
 def write_md(doc: dict, path: str) -> None:
     meta = doc["meta"]
     lines = [
@@ -466,10 +483,10 @@ def write_md(doc: dict, path: str) -> None:
         us = f"{r['us']:.1f}" if r.get("status") == "ok" else r.get("error", "error")[:40]
         tr = tref.get((r["model"], r["M"]))
         lines.append(
-            f"| {r['model']} | {r['kind']}{'' if r.get('variant') == 'asm' else ' ' + r.get('variant', '')} | {r['case']} | {r['M']} | "
+            f"| {r['model']} | {r['kind']} {_variant_label(r)} | {r['case']} | {r['M']} | "
             f"{r['experts_hit']} | {us} | {r['weight_bytes'] / 1e6:.1f} | {r.get('TBps', 0):.2f} | "
             f"{100 * r.get('roofline_frac', 0):.0f}% | {tr:.1f} | {sg} |" if tr else
-            f"| {r['model']} | {r['kind']} | {r['case']} | {r['M']} | {r['experts_hit']} | {us} | "
+            f"| {r['model']} | {r['kind']} {_variant_label(r)} | {r['case']} | {r['M']} | {r['experts_hit']} | {us} | "
             f"{r['weight_bytes'] / 1e6:.1f} | {r.get('TBps', 0):.2f} | {100 * r.get('roofline_frac', 0):.0f}% | - | {sg} |"
         )
     if doc.get("correctness"):

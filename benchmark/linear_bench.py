@@ -5,9 +5,9 @@
 
 Shapes of the dense linears scope "all" serves: Qwen1.5-MoE-A2.7B attention (qkv 6144x2048, o 2048x2048)
 and shared expert (gate_up 11264x2048, down 2048x5632), Mixtral attention (qkv 6144x4096, o 4096x4096).
-AP at 4 bits, bcq group 128. Each row: median microseconds of ap_linear with the tile kernel (the default
-below LINEAR_DEQUANT_MIN_M rows), with the dequantize-then-GEMM path (the default from there), the default
-choice, and torch's bf16 GEMM (cuBLAS) on the same shape, all in this run. Times are device times: each call
+AP at 4 bits, bcq group 128. Each row: median microseconds of ap_linear with the tile kernel, with the CUDA
+LUT kernel (the default up to LINEAR_LUT_MAX_M rows), with the dequantize-then-GEMM path (the default from
+LINEAR_DEQUANT_MIN_M rows), the default choice, and torch's bf16 GEMM (cuBLAS) on the same shape, all in this run. Times are device times: each call
 is captured 10 times into a CUDA graph, each after a write of 256 MB that evicts the weights from L2, and the
 replays are timed minus the writes alone (a decode server runs these linears under CUDA graphs; timed eagerly,
 one call measures Python dispatch and launch, ~40-200 us, not the kernels).
@@ -23,7 +23,7 @@ import time
 import torch
 
 from pagedweight.kernels import ap_linear
-from pagedweight.kernels.config import LINEAR_DEQUANT_MIN_M, default_linear_config
+from pagedweight.kernels.config import LINEAR_DEQUANT_MIN_M, LINEAR_LUT_MAX_M, default_linear_config
 from pagedweight.kernels.testing import random_ap_projection
 
 from dequant_sweep import replay_median_us  # benchmark/ is on sys.path when this runs as a script
@@ -33,6 +33,8 @@ SHAPES = {
     "qwen15moe_qkv": (6144, 2048), "qwen15moe_o": (2048, 2048),
     "qwen15moe_shared_gate_up": (11264, 2048), "qwen15moe_shared_down": (2048, 5632),
     "mixtral_qkv": (6144, 4096), "mixtral_o": (4096, 4096),
+    # one Mixtral expert's projections as plain GEMVs (the MoE kernels' per-expert work at decode)
+    "mixtral_expert_w13": (28672, 4096), "mixtral_expert_w2": (4096, 14336),
 }
 INNER = 10  # calls per graph replay
 FLUSH_BYTES = 256 << 20  # > the H200's 50 MB L2: every call reads its weight from HBM, as in a model's forward
@@ -65,6 +67,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ms", default="1,16,64,128,256,2048")
     ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--lut-max-m", type=int, default=16, help="also time the CUDA LUT kernel up to this M")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
@@ -81,8 +84,10 @@ def main() -> None:
             row = {"shape": name, "N": n, "K": k, "M": m, "bits": args.bits}
             for label, cfg in (("tiles", tiles), ("dequant_gemm", dequant)):
                 row[f"us_{label}"] = round(graph_time_us(lambda: ap_linear(x, proj.weights, config=cfg), flush, flush_us), 1)
-            row["us_default"] = row["us_dequant_gemm" if default.dequant_chunk else "us_tiles"]
-            row["default_path"] = "dequant_gemm" if default.dequant_chunk else "tiles"
+            if m <= args.lut_max_m:
+                row["us_lut"] = round(graph_time_us(lambda: ap_linear(x, proj.weights, kernel="lut"), flush, flush_us), 1)
+            row["default_path"] = ("lut" if m <= LINEAR_LUT_MAX_M else "dequant_gemm" if default.dequant_chunk else "tiles")
+            row["us_default"] = row[f"us_{row['default_path']}"]
             row["us_torch_bf16"] = round(graph_time_us(lambda: torch.nn.functional.linear(x, w_bf16), flush, flush_us), 1)
             row["default_vs_bf16_time"] = round(row["us_default"] / row["us_torch_bf16"], 2)
             rows.append(row)

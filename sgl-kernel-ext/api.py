@@ -1,8 +1,10 @@
 """Public entry points: `ap_fused_moe` and `ap_linear`, dispatching CUDA -> Triton, CPU -> torch reference.
 
 Set `backend="triton"` to run the Triton kernels on CPU tensors (only under TRITON_INTERPRET=1, for
-tests); `backend="reference"` forces the torch oracle on any device. No path falls back silently: an
-unsupported combination raises.
+tests); `backend="reference"` forces the torch oracle on any device. On CUDA, `kernel` picks between the
+Triton tile kernels and the CUDA activation-side-table kernel for bcq planes at decode sizes
+(cuda_lut.py): "auto" takes the LUT kernel where it is eligible and measured faster, "lut" demands it
+(an ineligible block raises, naming why). No path falls back silently: an unsupported combination raises.
 """
 
 from __future__ import annotations
@@ -14,11 +16,18 @@ from typing import Literal, Optional
 import torch
 
 from pagedweight.kernels.align import moe_align_block_size
-from pagedweight.kernels.config import APKernelConfig, default_linear_config, default_moe_configs
+from pagedweight.kernels.config import (
+    LINEAR_LUT_MAX_M,
+    APKernelConfig,
+    default_linear_config,
+    default_moe_configs,
+    prefer_lut,
+)
 from pagedweight.kernels.reference import ap_fused_moe_reference, ap_linear_reference, check_moe_args
 from pagedweight.kernels.weights import APMoEWeights
 
 Backend = Literal["auto", "triton", "reference"]
+Kernel = Literal["auto", "tiles", "lut"]
 
 
 def triton_interpreting() -> bool:
@@ -39,6 +48,30 @@ def _pick_backend(t: torch.Tensor, backend: Backend) -> str:
     return "reference"
 
 
+def _check_kernel(kernel: Kernel, path: str) -> None:
+    if kernel not in ("auto", "tiles", "lut"):
+        raise ValueError(f"kernel must be 'auto', 'tiles' or 'lut', got {kernel!r}")
+    if kernel == "lut" and path == "reference":
+        raise ValueError("kernel='lut' cannot run: it is a CUDA kernel and the inputs are not on a CUDA device "
+                         "(or backend='reference' was asked for)")
+
+
+def _use_lut(kernel: Kernel, on_cuda: bool, weights: tuple[APMoEWeights, ...], wins: bool, explicit_config: bool) -> bool:
+    """Whether the CUDA LUT kernel runs (kernel="lut" raises where it cannot)."""
+    if kernel == "tiles":
+        return False
+    from pagedweight.kernels.cuda_lut import lut_unsupported
+
+    why = "it is a CUDA kernel and the inputs are not on a CUDA device" if not on_cuda else None
+    for w in weights:
+        why = why or lut_unsupported(w)
+    if kernel == "lut":
+        if why is not None:
+            raise ValueError(f"kernel='lut' cannot run: {why}")
+        return True
+    return why is None and wins and not explicit_config
+
+
 def ap_fused_moe(
     hidden: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -51,26 +84,36 @@ def ap_fused_moe(
     backend: Backend = "auto",
     configs: Optional[tuple[APKernelConfig, APKernelConfig]] = None,
     use_asm: Optional[bool] = None,
+    kernel: Kernel = "auto",
 ) -> torch.Tensor:
     """Routed MoE over AP experts: sum_s w[t,s] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t,s].
 
     hidden [M, H] bf16/fp16/fp32, topk_weights [M, k] fp32, topk_ids [M, k] int32/int64 -> [M, H] in
     hidden's dtype. Expert bitwidths, tables and planes are read from w13/w2's page tables at run time.
     `configs` overrides the (w13, w2) launch configs; `use_asm` (default: on for CUDA) selects the
-    packed-half2 inline PTX (False runs the plain-Triton emulation of the same arithmetic).
+    packed-half2 inline PTX (False runs the plain-Triton emulation of the same arithmetic). Passing
+    `configs` selects the tile kernels unless kernel="lut".
     """
     check_moe_args(hidden, topk_weights, topk_ids, w13, w2, activation)
     path = _pick_backend(hidden, backend)
+    _check_kernel(kernel, path)
     if path == "reference":
         return ap_fused_moe_reference(
             hidden, topk_weights, topk_ids, w13, w2,
             activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
         )
+    m, topk = topk_ids.shape
+    if _use_lut(kernel, hidden.is_cuda, (w13, w2), prefer_lut(m * topk, w13.num_experts), configs is not None):
+        if m == 0:
+            return torch.zeros_like(hidden)
+        from pagedweight.kernels.cuda_lut import ap_fused_moe_lut
+
+        return ap_fused_moe_lut(hidden, topk_weights, topk_ids, w13, w2,
+                                apply_router_weight_on_input=apply_router_weight_on_input)
     from pagedweight.kernels.triton_moe import ap_fused_moe_triton, compute_dtype
 
     w13.check_triton_supported("w13")
     w2.check_triton_supported("w2")
-    m, topk = topk_ids.shape
     if configs is None:
         sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count if hidden.is_cuda else 132
         configs = default_moe_configs(
@@ -103,6 +146,7 @@ def ap_linear(
     backend: Backend = "auto",
     config: Optional[APKernelConfig] = None,
     use_asm: Optional[bool] = None,
+    kernel: Kernel = "auto",
 ) -> torch.Tensor:
     """y = x @ W^T (+ bias) for the AP block in page-table row `row` of `w` (x [M, K] -> [M, N])."""
     if x.dim() != 2 or x.shape[1] != w.K:
@@ -114,8 +158,15 @@ def ap_linear(
     if bias is not None and tuple(bias.shape) != (w.N,):
         raise ValueError(f"bias must be [N={w.N}], got {tuple(bias.shape)}")
     path = _pick_backend(x, backend)
+    _check_kernel(kernel, path)
     if path == "reference":
         return ap_linear_reference(x, w, row=row, bias=bias)
+    if _use_lut(kernel, x.is_cuda, (w,), 0 < x.shape[0] <= LINEAR_LUT_MAX_M, config is not None):
+        from pagedweight.kernels.cuda_lut import ap_linear_lut
+
+        if x.shape[0] == 0:
+            return x.new_zeros(0, w.N)
+        return ap_linear_lut(x, w, row, bias)
     from pagedweight.kernels.triton_linear import ap_linear_triton
 
     w.check_triton_supported("linear")

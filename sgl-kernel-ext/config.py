@@ -150,3 +150,16 @@ def default_linear_config(m: int, n: int, k: int, group_size: int | None, num_sm
     bk = largest_block_k(k, group_size)
     split = split_k_for(triton.cdiv(m, bm) * triton.cdiv(n, bn), k // bk, num_sms)
     return APKernelConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=8 if bm >= 64 else 4)
+
+
+# The activation-side-table kernel (cuda_lut.py, CUDA, bcq) serves decode sizes: its cost grows with the
+# (token, slot) pairs per expert (one table lookup per pair and plane nibble), the tile kernels' with the
+# experts hit (tensor cores take the pairs for free), so it runs while an expert has at most this many
+# pairs on average, and ap_linear while x has at most LINEAR_LUT_MAX_M rows (docs/results/kernel.md).
+LUT_MAX_PAIRS_PER_EXPERT = 4.0
+LINEAR_LUT_MAX_M = 8
+
+
+def prefer_lut(num_pairs: int, num_experts: int, max_pairs_per_expert: float = LUT_MAX_PAIRS_PER_EXPERT) -> bool:
+    """Whether the LUT kernel is the default for this routing size."""
+    return num_pairs / max(1, min(num_experts, num_pairs)) <= max_pairs_per_expert

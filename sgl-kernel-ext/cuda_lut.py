@@ -1,0 +1,194 @@
+"""Decode-size AP MoE and linear over bcq planes with activation-side tables (cuda_lut_gemv.cu, NVRTC).
+
+Why CUDA C++ here: the kernel's inner step is a lookup into a 16-entry table in shared memory per plane
+nibble. Triton has no indexed shared-memory load (its gathers from a table in global memory cost a load
+per nibble and were no faster than rebuilding weights: docs/kernels.md), so this one kernel is compiled at
+first use with NVRTC (shipped with torch's CUDA wheels; no toolkit needed) and launched on the current
+stream, which CUDA graphs capture like any other launch. Everything else stays in Triton.
+
+Scope: CUDA, bcq tables with a group size that is a multiple of 128, K a multiple of 128, plane and table
+addresses 16-byte aligned (the runtime's arena slots are 256-byte aligned). `lut_unsupported` says why a
+block is not eligible; callers then use the Triton tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedweight.kernels.align import moe_align_block_size
+from pagedweight.kernels.weights import APMoEWeights
+
+CHUNK = 128  # inputs per step of the kernel (one 16-byte load per plane and row)
+NTHREADS = 256
+TABLE_BYTES_PER_CHUNK = (CHUNK // 4) * 16 * 4 + 4  # 32 nibble tables of 16 floats + the chunk's sum
+MAX_SHARED_BYTES = 96 * 1024  # two blocks per SM on Hopper
+_SOURCE = Path(__file__).with_name("cuda_lut_gemv.cu")
+_XT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+MODE_W13, MODE_W2, MODE_LINEAR = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class LUTConfig:
+    block_m: int  # (token, slot) pairs of one expert per block (rows of x for a linear): 1, 2, 4 or 8
+    n_per_block: int  # output rows per block (a multiple of the 256 threads' one row each)
+    k_per_split: int  # inputs per block; K slices are summed with float32 atomics
+
+    def __post_init__(self) -> None:
+        if self.block_m not in (1, 2, 4, 8):
+            raise ValueError(f"block_m must be 1, 2, 4 or 8, got {self.block_m}")
+        if self.n_per_block <= 0 or self.n_per_block % NTHREADS:
+            raise ValueError(f"n_per_block must be a positive multiple of {NTHREADS}, got {self.n_per_block}")
+        if self.k_per_split <= 0 or self.k_per_split % CHUNK:
+            raise ValueError(f"k_per_split must be a positive multiple of {CHUNK}, got {self.k_per_split}")
+
+    def shared_bytes(self) -> int:
+        return self.block_m * (self.k_per_split // CHUNK) * TABLE_BYTES_PER_CHUNK
+
+
+def lut_unsupported(w: APMoEWeights) -> str | None:
+    """Why the LUT kernel cannot serve `w` (None when it can)."""
+    if w.table_kind != "bcq":
+        return f"table kind {w.table_kind!r} (the LUT kernel reads binary-coded planes only)"
+    if w.group_size % CHUNK:
+        return f"bcq group size {w.group_size} is not a multiple of {CHUNK}"
+    if w.K % CHUNK:
+        return f"K={w.K} is not a multiple of {CHUNK}"
+    if not w.page_table.is_cuda:
+        return "the page table is not on a CUDA device"
+    return None
+
+
+def block_m_for_pairs(num_pairs: int, num_experts: int) -> int:
+    """Pairs per block from the mean pairs per expert hit (padding slots cost lookups too)."""
+    per_expert = num_pairs / max(1, min(num_experts, num_pairs))
+    for bm in (1, 2, 4):
+        if per_expert <= bm * 1.25:
+            return bm
+    return 8
+
+
+def default_lut_config(active_blocks_m: int, block_m: int, n: int, k: int, num_sms: int,
+                       blocks_per_sm: int = 4) -> LUTConfig:
+    """One row per thread, 256 rows per block; K split until the grid has ~`blocks_per_sm` blocks per SM
+    (decode grids are small: Qwen1.5-MoE's w13 at M=1 is 4 experts x 11 row blocks)."""
+    nb = NTHREADS
+    n_blocks = -(-n // nb)
+    kc = -(-k // CHUNK) * CHUNK
+    while kc > 2 * CHUNK and (
+        active_blocks_m * n_blocks * -(-k // kc) < blocks_per_sm * num_sms
+        or block_m * (kc // CHUNK) * TABLE_BYTES_PER_CHUNK > MAX_SHARED_BYTES
+    ):
+        kc = -(-(kc // 2) // CHUNK) * CHUNK
+    while block_m * (kc // CHUNK) * TABLE_BYTES_PER_CHUNK > MAX_SHARED_BYTES:
+        kc -= CHUNK
+    return LUTConfig(block_m=block_m, n_per_block=nb, k_per_split=kc)
+
+
+def kernel_defines(mode: int, x_dtype: torch.dtype, block_m: int, bits_max: int, group_size: int) -> list[str]:
+    return [f"-DMODE={mode}", f"-DXT={_XT[x_dtype]}", f"-DBM={block_m}", f"-DPMAX={bits_max}", f"-DG={group_size}"]
+
+
+def compile_to_cubin(defines: list[str], compute_capability: str) -> bytes:
+    """NVRTC compile of the kernel source (no device needed): the CI check that every variant builds."""
+    from torch.cuda._utils import _nvrtc_compile
+
+    cubin, _ = _nvrtc_compile(_SOURCE.read_text(), "ap_lut_gemv", compute_capability, nvcc_options=defines)
+    return cubin
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(mode: int, x_dtype: torch.dtype, block_m: int, bits_max: int, group_size: int, device_index: int):
+    """The compiled kernel for one variant on one device (compiled once per process, ~1 s)."""
+    with torch.cuda.device(device_index):
+        return torch.cuda._compile_kernel(
+            _SOURCE.read_text(), "ap_lut_gemv",
+            nvcc_options=kernel_defines(mode, x_dtype, block_m, bits_max, group_size),
+        )
+
+
+def _launch(mode: int, x: torch.Tensor, out: torch.Tensor, w: APMoEWeights, cfg: LUTConfig, grid_m: int,
+            *, topk_weights=None, sorted_ids=None, expert_ids=None, post_pad=None, num_pairs: int, topk: int,
+            row_index: int = 0, apply_w_in: bool = False) -> None:
+    if x.data_ptr() % 16:  # the kernel reads 4 activations per vector load
+        x = x.clone()
+    kernel = _kernel(mode, x.dtype, cfg.block_m, w.bits_max, w.group_size, x.device.index or 0)
+    smem = cfg.shared_bytes()
+    if smem > kernel._max_shared_mem_bytes:
+        kernel.set_shared_memory_config(smem)
+    dummy = out
+    grid = (grid_m, -(-w.N // cfg.n_per_block), -(-w.K // cfg.k_per_split))
+    kernel(
+        grid=grid, block=(NTHREADS, 1, 1), shared_mem=smem,
+        args=[
+            x, out, w.page_table,
+            topk_weights if topk_weights is not None else dummy,
+            sorted_ids if sorted_ids is not None else dummy,
+            expert_ids if expert_ids is not None else dummy,
+            post_pad if post_pad is not None else dummy,
+            num_pairs, topk, w.N, w.K, x.stride(0), out.stride(0), w.page_table.stride(0),
+            cfg.k_per_split, cfg.n_per_block, row_index, int(apply_w_in),
+        ],
+    )
+
+
+def ap_fused_moe_lut(
+    hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: APMoEWeights, w2: APMoEWeights,
+    *, apply_router_weight_on_input: bool = False, configs: tuple[LUTConfig, LUTConfig] | None = None,
+) -> torch.Tensor:
+    """gate/up -> silu * up -> down with routing weights, over the page tables (three launches: the
+    alignment, w13 into a float32 h, w2 with silu applied while its tables are built)."""
+    for name, w in (("w13", w13), ("w2", w2)):
+        why = lut_unsupported(w)
+        if why is not None:
+            raise ValueError(f"{name}: the LUT kernel cannot run: {why}")
+    m, topk = topk_ids.shape
+    num_pairs = m * topk
+    if configs is None:
+        configs = default_moe_lut_configs(m, topk, w13.num_experts, w13, w2, hidden.device)
+    bm = configs[0].block_m
+    if configs[1].block_m != bm:
+        raise ValueError("w13 and w2 LUT configs must share block_m (one alignment)")
+    align = moe_align_block_size(topk_ids, bm, w13.num_experts)
+    x = hidden.contiguous()
+    tw = topk_weights.contiguous().float()
+    h = torch.zeros(num_pairs, w13.N, dtype=torch.float32, device=x.device)
+    common = dict(topk_weights=tw, sorted_ids=align.sorted_ids, expert_ids=align.expert_ids,
+                  post_pad=align.num_tokens_post_padded, num_pairs=num_pairs, topk=topk,
+                  apply_w_in=apply_router_weight_on_input)
+    _launch(MODE_W13, x, h, w13, configs[0], align.max_blocks, **common)
+    out = torch.zeros(m, w2.N, dtype=torch.float32, device=x.device)
+    _launch(MODE_W2, h, out, w2, configs[1], align.max_blocks, **common)
+    return out.to(hidden.dtype)
+
+
+def default_moe_lut_configs(m: int, topk: int, num_experts: int, w13: APMoEWeights, w2: APMoEWeights,
+                            device: torch.device) -> tuple[LUTConfig, LUTConfig]:
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    pairs = m * topk
+    bm = block_m_for_pairs(pairs, num_experts)
+    active = max(min(pairs, num_experts), -(-pairs // bm))  # blocks that do work (lower estimate)
+    return (default_lut_config(active, bm, w13.N, w13.K, sms), default_lut_config(active, bm, w2.N, w2.K, sms))
+
+
+def ap_linear_lut(x: torch.Tensor, w: APMoEWeights, row: int, bias: torch.Tensor | None,
+                  config: LUTConfig | None = None) -> torch.Tensor:
+    """y = x @ W_row^T (+ bias) for small M (every row of x is a pair; blocks of block_m rows)."""
+    why = lut_unsupported(w)
+    if why is not None:
+        raise ValueError(f"linear: the LUT kernel cannot run: {why}")
+    m = x.shape[0]
+    x = x.contiguous()
+    if config is None:
+        bm = 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        config = default_lut_config(-(-m // bm), bm, w.N, w.K, sms)
+    out = torch.zeros(m, w.N, dtype=torch.float32, device=x.device)
+    _launch(MODE_LINEAR, x, out, w, config, -(-m // config.block_m), num_pairs=m, topk=1, row_index=row)
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)

@@ -1,0 +1,193 @@
+"""The CUDA activation-side-table kernel (cuda_lut.py) for bcq planes at decode sizes.
+
+CPU (CI): every variant of the source compiles with NVRTC for sm_90; the config rules; the dispatch's
+refusals. CUDA: against the torch reference on random and adversarial shapes (N not a multiple of the
+block, K with a partial last slice, every bitwidth, mixed per-expert bitwidths, padding pairs in a block,
+one expert taking every token, empty experts, all three activation dtypes), and page-table rows rewritten
+between CUDA-graph replays.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedweight.kernels import ap_fused_moe, ap_linear
+from pagedweight.kernels.config import prefer_lut
+from pagedweight.kernels.cuda_lut import (
+    CHUNK,
+    MAX_SHARED_BYTES,
+    LUTConfig,
+    ap_fused_moe_lut,
+    ap_linear_lut,
+    compile_to_cubin,
+    default_lut_config,
+    kernel_defines,
+    lut_unsupported,
+)
+from pagedweight.kernels.reference import ap_fused_moe_reference, ap_linear_reference
+from pagedweight.kernels.testing import random_ap_projection
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the LUT kernel is CUDA only")
+
+
+# ---------------------------------------------------------------- CPU: build, configs, refusals
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("block_m", [1, 2, 4, 8])
+def test_every_variant_compiles_for_sm90(mode, block_m):
+    dtypes = [torch.bfloat16] if mode == 1 else [torch.bfloat16, torch.float16, torch.float32]
+    for dtype in dtypes:
+        for bits_max, group in ((8, 128), (4, 256)):
+            cubin = compile_to_cubin(kernel_defines(mode, dtype, block_m, bits_max, group), "90")
+            assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
+
+
+def test_config_validation_and_shared_memory_cap():
+    with pytest.raises(ValueError, match="block_m"):
+        LUTConfig(block_m=3, n_per_block=256, k_per_split=128)
+    with pytest.raises(ValueError, match="n_per_block"):
+        LUTConfig(block_m=1, n_per_block=100, k_per_split=128)
+    with pytest.raises(ValueError, match="k_per_split"):
+        LUTConfig(block_m=1, n_per_block=256, k_per_split=200)
+    for bm in (1, 2, 4, 8):
+        for k in (128, 1408, 4096, 14336):
+            cfg = default_lut_config(1, bm, 4096, k, num_sms=132)
+            assert cfg.shared_bytes() <= MAX_SHARED_BYTES and cfg.k_per_split % CHUNK == 0
+            assert cfg.k_per_split <= -(-k // CHUNK) * CHUNK
+    # a small grid splits K; a large one does not
+    small = default_lut_config(4, 1, 2816, 2048, num_sms=132)
+    large = default_lut_config(512, 1, 28672, 4096, num_sms=132)
+    assert small.k_per_split < 2048 and large.k_per_split == 4096
+
+
+def test_prefer_lut_follows_pairs_per_expert():
+    assert prefer_lut(2, 8) and prefer_lut(4, 60) and prefer_lut(64, 60)
+    assert not prefer_lut(128, 8)  # Mixtral M=64: 16 pairs per expert -> tensor-core tiles
+
+
+def test_refusals_name_the_reason():
+    bcq = random_ap_projection(1, 64, 256, [4], table_kind="bcq", group_size=128, bits_min=4).weights
+    km = random_ap_projection(1, 64, 256, [4], table_kind="kmeans", bits_min=4).weights
+    g64 = random_ap_projection(1, 64, 256, [4], table_kind="bcq", group_size=64, bits_min=4).weights
+    assert "k-means" in lut_unsupported(km) or "kmeans" in lut_unsupported(km)
+    assert "group size 64" in lut_unsupported(g64)
+    assert "CUDA" in lut_unsupported(bcq)
+    x = torch.randn(1, 256)
+    with pytest.raises(ValueError, match="not on a CUDA device"):
+        ap_linear(x, bcq, kernel="lut")
+    with pytest.raises(ValueError, match="kernel must be"):
+        ap_linear(x, bcq, kernel="fast")
+    # auto on CPU is the torch reference, bit for bit
+    torch.testing.assert_close(ap_linear(x, bcq), ap_linear_reference(x, bcq), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- CUDA: correctness
+
+
+def _rel(out, ref):
+    out, ref = out.float().cpu(), ref.float().cpu()
+    assert torch.isfinite(out).all()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _tol(dtype):
+    return 2e-2 if dtype == torch.bfloat16 else 5e-3
+
+
+@needs_cuda
+@pytest.mark.parametrize("n,k,group", [(256, 128, 128), (300, 384, 128), (1000, 1408, 128), (2048, 2048, 256)])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
+def test_linear_matches_reference(n, k, group, bits):
+    proj = random_ap_projection(1, n, k, [bits], group_size=group, bits_min=2, seed=bits, device="cuda")
+    for m in (1, 2, 3, 5, 8):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).to(dtype)
+            bias = torch.randn(n, device="cuda").to(dtype) if m == 3 else None
+            out = ap_linear(x, proj.weights, bias=bias, kernel="lut")
+            ref = ap_linear_reference(x.float(), proj.weights, bias=None if bias is None else bias.float())
+            assert out.dtype == dtype and out.shape == (m, n)
+            assert _rel(out, ref) < _tol(dtype), (m, dtype)
+
+
+@needs_cuda
+def test_linear_small_k_slices_and_blocks():
+    """Explicit configs: K cut into 128-wide slices (many atomics), block_m larger than M (padding rows)."""
+    proj = random_ap_projection(1, 520, 640, [5], bits_min=2, device="cuda")
+    x = torch.randn(3, 640, device="cuda")
+    ref = ap_linear_reference(x, proj.weights)
+    for cfg in (LUTConfig(1, 256, 128), LUTConfig(8, 512, 384), LUTConfig(2, 256, 640)):
+        assert _rel(ap_linear_lut(x, proj.weights, 0, None, cfg), ref) < 5e-3, cfg
+
+
+def _layer(num_experts, hidden, inter, bits13, bits2, seed=0):
+    p13 = random_ap_projection(num_experts, 2 * inter, hidden, bits13, bits_min=2, seed=seed, device="cuda")
+    p2 = random_ap_projection(num_experts, hidden, inter, bits2, bits_min=2, seed=seed + 1, device="cuda")
+    return p13, p2
+
+
+def _routing(m, num_experts, topk, pattern, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if pattern == "random":
+        ids = torch.stack([torch.randperm(num_experts, generator=g)[:topk] for _ in range(m)])
+    elif pattern == "one_expert":  # slot 0 of every token -> the last expert; most experts get nothing
+        ids = torch.stack([torch.randperm(num_experts - 1, generator=g)[: topk] for _ in range(m)])
+        ids[:, 0] = num_experts - 1
+    else:
+        raise ValueError(pattern)
+    w = torch.rand(m, topk, generator=g) + 0.1
+    return w.float().cuda(), ids.to(torch.int32).cuda()
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "num_experts,topk,m,pattern",
+    [(8, 2, 1, "random"), (8, 2, 4, "random"), (8, 1, 3, "one_expert"), (60, 4, 1, "random"),
+     (60, 4, 16, "random"), (16, 8, 5, "one_expert"), (64, 6, 2, "random")],
+)
+def test_moe_matches_reference(num_experts, topk, m, pattern):
+    hidden, inter = 512, 384  # w2: K = 384 = three 128-input chunks
+    bits13 = [2 + (e % 7) for e in range(num_experts)]  # every bitwidth 2..8, mixed in one launch
+    bits2 = [2 + ((e + 3) % 7) for e in range(num_experts)]
+    p13, p2 = _layer(num_experts, hidden, inter, bits13, bits2, seed=num_experts + m)
+    tw, ids = _routing(m, num_experts, topk, pattern, seed=m)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randn(m, hidden, device="cuda").to(dtype)
+        for apply_w_in in (False, True):
+            ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights,
+                                         apply_router_weight_on_input=apply_w_in)
+            out = ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel="lut",
+                               apply_router_weight_on_input=apply_w_in)
+            assert out.dtype == dtype and out.shape == (m, hidden)
+            assert _rel(out, ref) < _tol(dtype), (dtype, apply_w_in)
+    # every block_m (padding pairs inside a block) and K slices of one chunk
+    x = torch.randn(m, hidden, device="cuda")
+    ref = ap_fused_moe_reference(x, tw, ids, p13.weights, p2.weights)
+    for bm in (1, 2, 4, 8):
+        cfgs = (LUTConfig(bm, 256, 128), LUTConfig(bm, 512, 256))
+        out = ap_fused_moe_lut(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
+        assert _rel(out, ref) < 5e-3, bm
+
+
+@needs_cuda
+def test_moe_graph_replay_follows_rewritten_page_table():
+    num_experts, hidden, inter, m, topk = 8, 256, 256, 2, 2
+    p13, p2 = _layer(num_experts, hidden, inter, [8] * num_experts, [8] * num_experts)
+    tw, ids = _routing(m, num_experts, topk, "random")
+    x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+    w13, w2 = p13.weights, p2.weights
+    ap_fused_moe(x, tw, ids, w13, w2, kernel="lut")  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ap_fused_moe(x, tw, ids, w13, w2, kernel="lut")
+    for bits in ([8] * num_experts, [3] * num_experts, [2, 5, 8, 3, 4, 6, 7, 2]):
+        r13, r2 = p13.recommit(bits), p2.recommit(bits[::-1])
+        w13.page_table.copy_(r13.page_table)
+        w2.page_table.copy_(r2.page_table)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = ap_fused_moe_reference(x.float(), tw, ids, r13, r2)
+        assert _rel(out, ref) < 2e-2, bits
