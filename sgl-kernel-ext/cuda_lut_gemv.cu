@@ -67,6 +67,22 @@ __device__ __forceinline__ float lookup(const float* table, u32 byte_offset) {
     return *(const float*)((const char*)table + byte_offset);
 }
 
+// plane words (one 16-byte load per plane) and the bcq scales (planes 0..q-1, offset at index PMAX) of row n
+// for the 128 inputs from k0
+__device__ __forceinline__ void load_chunk(const unsigned char* const* planes, const unsigned short* alphas, int q, int N,
+                                           int groups, int n, long long row_bytes, int k0, uint4* w,
+                                           unsigned short* a16) {
+    const int g = k0 / G;
+#pragma unroll
+    for (int p = 0; p < PMAX; ++p) {
+        if (p < q) {
+            w[p] = __ldg((const uint4*)(planes[p] + n * row_bytes + k0 / 8));
+            a16[p] = __ldg(alphas + ((long long)p * N + n) * groups + g);
+        }
+    }
+    a16[PMAX] = __ldg(alphas + ((long long)q * N + n) * groups + g);
+}
+
 // pair index of slot i of this block, -1 for padding (read again rather than indexing a register array)
 __device__ __forceinline__ int pair_of(int i, int num_pairs, const int* sorted_ids) {
 #if MODE == 2
@@ -104,8 +120,24 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ap_lut_gemv(
     if (expert < 0) return;
 #endif
 
-    // ---- activation tables: 16 signed sums per 4 inputs, per pair ----
-    const int nibbles = kc / 4;
+    // ---- the expert's page-table row: committed bitwidth, table and plane addresses ----
+    const long long* row = page_table + (long long)expert * pt_stride;
+    const int q = (int)row[0];
+    const unsigned short* alphas = (const unsigned short*)row[1];  // fp16 [q + 1, N, K / G]
+    const unsigned char* planes[PMAX];
+#pragma unroll
+    for (int p = 0; p < PMAX; ++p) planes[p] = p < q ? (const unsigned char*)row[2 + p] : (const unsigned char*)0;
+    const int groups = K / G;
+    const long long row_bytes = K / 8;
+
+    // the first row's first chunk is requested before the tables are built: its latency hides behind them
+    int n = n_begin + tid;
+    uint4 w[PMAX];
+    unsigned short a16[PMAX + 1];
+    if (n < n_end) load_chunk(planes, alphas, q, N, groups, n, row_bytes, k_begin, w, a16);
+
+    // ---- activation tables: 16 signed sums per 4 inputs, per pair, and the sum of x per chunk ----
+    const int nibbles = kc / 4;  // a multiple of 32: each warp covers one chunk of one pair
     for (int idx = tid; idx < BM * nibbles; idx += NTHREADS) {
         const int i = idx / nibbles;
         const int j = idx - i * nibbles;
@@ -130,47 +162,33 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ap_lut_gemv(
                                 (j % TABLES_PER_CHUNK) * 16);
 #pragma unroll
         for (int hi = 0; hi < 4; ++hi) dst[hi] = make_float4(a[0] + b[hi], a[1] + b[hi], a[2] + b[hi], a[3] + b[hi]);
-    }
-    __syncthreads();
-    for (int idx = tid; idx < BM * chunks; idx += NTHREADS) {
-        const int i = idx / chunks;
-        const int c = idx - i * chunks;
-        const float* t = tables + (i * chunks_max + c) * TABLE_FLOATS_PER_CHUNK;
-        float s = 0.f;
-        for (int j = 0; j < TABLES_PER_CHUNK; ++j) s += t[j * 16 + 15];  // entry 15 = x0 + x1 + x2 + x3
-        sums[i * chunks_max + c] = s;
-    }
-    __syncthreads();
-
-    // ---- the expert's page-table row: committed bitwidth, table and plane addresses ----
-    const long long* row = page_table + (long long)expert * pt_stride;
-    const int q = (int)row[0];
-    const unsigned short* alphas = (const unsigned short*)row[1];  // fp16 [q + 1, N, K / G]
-    const unsigned char* planes[PMAX];
+        float s = a[3] + b[3];
 #pragma unroll
-    for (int p = 0; p < PMAX; ++p) planes[p] = p < q ? (const unsigned char*)row[2 + p] : (const unsigned char*)0;
-    const int groups = K / G;
-    const long long row_bytes = K / 8;
+        for (int d = 16; d > 0; d >>= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
+        if ((tid & 31) == 0) sums[i * chunks_max + j / TABLES_PER_CHUNK] = s;
+    }
+    __syncthreads();
 
-    for (int n = n_begin + tid; n < n_end; n += NTHREADS) {
+    for (; n < n_end; n += NTHREADS) {
         float y[BM];
 #pragma unroll
         for (int i = 0; i < BM; ++i) y[i] = 0.f;
         for (int c = 0; c < chunks; ++c) {
-            const int k0 = k_begin + c * CHUNK;
-            const int g = k0 / G;
-            uint4 w[PMAX];
-#pragma unroll
-            for (int p = 0; p < PMAX; ++p)
-                if (p < q) w[p] = __ldg((const uint4*)(planes[p] + n * row_bytes + k0 / 8));
-            const float offset = half_to_float(__ldg(alphas + ((long long)q * N + n) * groups + g));
+            // registers double-buffer the plane words: the next chunk (or the next row's first) is in flight
+            // while this one is looked up
+            uint4 wn[PMAX];
+            unsigned short an[PMAX + 1];
+            const int cn = c + 1 < chunks ? c + 1 : 0;
+            const int nn = c + 1 < chunks ? n : n + NTHREADS;
+            if (nn < n_end) load_chunk(planes, alphas, q, N, groups, nn, row_bytes, k_begin + cn * CHUNK, wn, an);
+            const float offset = half_to_float(a16[PMAX]);
 #pragma unroll
             for (int i = 0; i < BM; ++i) y[i] += offset * sums[i * chunks_max + c];
             const float* t0 = tables + c * TABLE_FLOATS_PER_CHUNK;
 #pragma unroll
             for (int p = 0; p < PMAX; ++p) {
                 if (p < q) {
-                    const float alpha = half_to_float(__ldg(alphas + ((long long)p * N + n) * groups + g));
+                    const float alpha = half_to_float(a16[p]);
                     const u32 words[4] = {w[p].x, w[p].y, w[p].z, w[p].w};
                     // two partial sums per pair: halves the dependent-add chain of the 32 lookups
                     float acc[BM], acc2[BM];
@@ -197,6 +215,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ap_lut_gemv(
                     for (int i = 0; i < BM; ++i) y[i] += alpha * (acc[i] + acc2[i]);
                 }
             }
+#pragma unroll
+            for (int p = 0; p < PMAX; ++p) w[p] = wn[p];
+#pragma unroll
+            for (int p = 0; p <= PMAX; ++p) a16[p] = an[p];
         }
 #pragma unroll
         for (int i = 0; i < BM; ++i) {
