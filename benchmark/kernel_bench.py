@@ -318,7 +318,7 @@ def main() -> None:
                              weight_bytes=ap_bytes(b13, b2, hit, model, kind), cfg13=vars(c13), cfg2=vars(c2))
                     # "default" is what ap_fused_moe picks by itself (the headline); the others are the same
                     # call on the other kernels, same run
-                    lut_default = kind == "bcq" and prefer_lut(M * topk, E)
+                    lut_default = kind == "bcq" and prefer_lut(M, topk, E)
                     r["default_kernel"] = "lut" if lut_default else "dequant" if c13.dequant_chunk else "tiles"
                     variants = [("default", dict(), c13, c2)]
                     if lut_default:

@@ -103,7 +103,7 @@ def ap_fused_moe(
             activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
         )
     m, topk = topk_ids.shape
-    if _use_lut(kernel, hidden.is_cuda, (w13, w2), prefer_lut(m * topk, w13.num_experts), configs is not None):
+    if _use_lut(kernel, hidden.is_cuda, (w13, w2), prefer_lut(m, topk, w13.num_experts), configs is not None):
         if m == 0:
             return torch.zeros_like(hidden)
         from pagedweight.kernels.cuda_lut import ap_fused_moe_lut

@@ -152,14 +152,26 @@ def default_linear_config(m: int, n: int, k: int, group_size: int | None, num_sm
     return APKernelConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=8 if bm >= 64 else 4)
 
 
-# The activation-side-table kernel (cuda_lut.py, CUDA, bcq) serves decode sizes: its cost grows with the
-# (token, slot) pairs per expert (one table lookup per pair and plane nibble), the tile kernels' with the
-# experts hit (tensor cores take the pairs for free), so it runs while an expert has at most this many
-# pairs on average, and ap_linear while x has at most LINEAR_LUT_MAX_M rows (docs/results/kernel.md).
-LUT_MAX_PAIRS_PER_EXPERT = 4.0
-LINEAR_LUT_MAX_M = 8
+# The activation-side-table kernel (cuda_lut.py, CUDA, bcq) serves decode sizes. Its cost grows with the
+# (token, slot) pairs (one table lookup per pair and plane nibble), the tile kernels' with the experts hit
+# (tensor cores take an expert's pairs for free), and per unit the two cost about the same on Mixtral (H200,
+# 4 bits: 106 us per pair vs 114 per expert) while the tiles cost more on Qwen1.5-MoE's small experts. So the
+# LUT kernel runs while the pairs per expert expected to be hit stay at most LUT_MAX_PAIRS_PER_EXPERT, and
+# ap_linear while x has at most LINEAR_LUT_MAX_M rows (docs/results/kernel.md).
+LUT_MAX_PAIRS_PER_EXPERT = 1.25
+LINEAR_LUT_MAX_M = 4
 
 
-def prefer_lut(num_pairs: int, num_experts: int, max_pairs_per_expert: float = LUT_MAX_PAIRS_PER_EXPERT) -> bool:
-    """Whether the LUT kernel is the default for this routing size."""
-    return num_pairs / max(1, min(num_experts, num_pairs)) <= max_pairs_per_expert
+def expected_experts_hit(num_tokens: int, topk: int, num_experts: int) -> float:
+    """Experts hit by num_tokens tokens routing to topk distinct experts each, under uniform routing."""
+    if num_experts <= 0:
+        return 0.0
+    miss = 1.0 - min(topk, num_experts) / num_experts
+    return num_experts * (1.0 - miss**num_tokens)
+
+
+def prefer_lut(num_tokens: int, topk: int, num_experts: int,
+               max_pairs_per_expert: float = LUT_MAX_PAIRS_PER_EXPERT) -> bool:
+    """Whether the LUT kernel is the default for this routing size (no device sync: expected, not actual hits)."""
+    hit = expected_experts_hit(num_tokens, topk, num_experts)
+    return num_tokens * topk <= max_pairs_per_expert * max(hit, 1.0)

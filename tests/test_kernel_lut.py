@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedweight.kernels import ap_fused_moe, ap_linear
-from pagedweight.kernels.config import prefer_lut
+from pagedweight.kernels.config import expected_experts_hit, prefer_lut
 from pagedweight.kernels.cuda_lut import (
     CHUNK,
     MAX_SHARED_BYTES,
@@ -60,12 +60,16 @@ def test_config_validation_and_shared_memory_cap():
     # a small grid splits K; a large one does not
     small = default_lut_config(4, 1, 2816, 2048, num_sms=132)
     large = default_lut_config(512, 1, 28672, 4096, num_sms=132)
-    assert small.k_per_split < 2048 and large.k_per_split == 4096
+    assert small.k_per_split < large.k_per_split
+    assert LUTConfig(1, 256, 2 * large.k_per_split).shared_bytes() > MAX_SHARED_BYTES  # as wide as shared memory allows
 
 
 def test_prefer_lut_follows_pairs_per_expert():
-    assert prefer_lut(2, 8) and prefer_lut(4, 60) and prefer_lut(64, 60)
-    assert not prefer_lut(128, 8)  # Mixtral M=64: 16 pairs per expert -> tensor-core tiles
+    assert expected_experts_hit(1, 4, 60) == pytest.approx(4.0)
+    assert expected_experts_hit(1000, 2, 8) == pytest.approx(8.0)
+    # H200 measurements (docs/results/kernel.md): LUT at Mixtral M=1 and Qwen1.5-MoE M=1, 4; tiles beyond
+    assert prefer_lut(1, 2, 8) and prefer_lut(1, 4, 60) and prefer_lut(4, 4, 60)
+    assert not prefer_lut(4, 2, 8) and not prefer_lut(16, 4, 60) and not prefer_lut(64, 2, 8)
 
 
 def test_refusals_name_the_reason():
