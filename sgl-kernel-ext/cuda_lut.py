@@ -24,7 +24,7 @@ from pagedweight.kernels.weights import APMoEWeights
 
 CHUNK = 128  # inputs per step of the kernel (one 16-byte load per plane and row)
 NTHREADS = 256
-TABLE_BYTES_PER_CHUNK = (CHUNK // 4) * 16 * 4 + 4  # per pair: 32 nibble tables of 16 floats + the chunk's sum
+TABLE_BYTES_PER_CHUNK = (CHUNK // 4) * 16 * 4 + 4  # 32 nibble tables of 16 floats + the chunk's sum
 MAX_SHARED_BYTES = 96 * 1024  # two blocks per SM on Hopper
 _SOURCE = Path(__file__).with_name("cuda_lut_gemv.cu")
 _XT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -46,10 +46,8 @@ class LUTConfig:
         if self.k_per_split <= 0 or self.k_per_split % CHUNK:
             raise ValueError(f"k_per_split must be a positive multiple of {CHUNK}, got {self.k_per_split}")
 
-    def shared_bytes(self, bits_max: int = 8) -> int:
-        """Tables and chunk sums per pair, plus every thread's bcq scales (bits_max + 1 slots of fp16)."""
-        chunks = self.k_per_split // CHUNK
-        return chunks * (self.block_m * TABLE_BYTES_PER_CHUNK + (bits_max + 1) * NTHREADS * 2)
+    def shared_bytes(self) -> int:
+        return self.block_m * (self.k_per_split // CHUNK) * TABLE_BYTES_PER_CHUNK
 
 
 def lut_unsupported(w: APMoEWeights) -> str | None:
@@ -75,19 +73,18 @@ def block_m_for_pairs(num_pairs: int, num_experts: int) -> int:
 
 
 def default_lut_config(active_blocks_m: int, block_m: int, n: int, k: int, num_sms: int,
-                       blocks_per_sm: int = 4, bits_max: int = 8) -> LUTConfig:
+                       blocks_per_sm: int = 4) -> LUTConfig:
     """One row per thread, 256 rows per block; K split until the grid has ~`blocks_per_sm` blocks per SM
     (decode grids are small: Qwen1.5-MoE's w13 at M=1 is 4 experts x 11 row blocks)."""
     nb = NTHREADS
     n_blocks = -(-n // nb)
     kc = -(-k // CHUNK) * CHUNK
-    def smem(kc: int) -> int:
-        return LUTConfig(block_m, nb, kc).shared_bytes(bits_max)
-
-    while kc > 2 * CHUNK and (active_blocks_m * n_blocks * -(-k // kc) < blocks_per_sm * num_sms
-                              or smem(kc) > MAX_SHARED_BYTES):
+    while kc > 2 * CHUNK and (
+        active_blocks_m * n_blocks * -(-k // kc) < blocks_per_sm * num_sms
+        or block_m * (kc // CHUNK) * TABLE_BYTES_PER_CHUNK > MAX_SHARED_BYTES
+    ):
         kc = -(-(kc // 2) // CHUNK) * CHUNK
-    while smem(kc) > MAX_SHARED_BYTES:
+    while block_m * (kc // CHUNK) * TABLE_BYTES_PER_CHUNK > MAX_SHARED_BYTES:
         kc -= CHUNK
     return LUTConfig(block_m=block_m, n_per_block=nb, k_per_split=kc)
 
@@ -120,7 +117,7 @@ def _launch(mode: int, x: torch.Tensor, out: torch.Tensor, w: APMoEWeights, cfg:
     if x.data_ptr() % 16:  # the kernel reads 4 activations per vector load
         x = x.clone()
     kernel = _kernel(mode, x.dtype, cfg.block_m, w.bits_max, w.group_size, x.device.index or 0)
-    smem = cfg.shared_bytes(w.bits_max)
+    smem = cfg.shared_bytes()
     if smem > kernel._max_shared_mem_bytes:
         kernel.set_shared_memory_config(smem)
     dummy = out
@@ -175,8 +172,7 @@ def default_moe_lut_configs(m: int, topk: int, num_experts: int, w13: APMoEWeigh
     pairs = m * topk
     bm = block_m_for_pairs(pairs, num_experts)
     active = max(min(pairs, num_experts), -(-pairs // bm))  # blocks that do work (lower estimate)
-    return (default_lut_config(active, bm, w13.N, w13.K, sms, bits_max=w13.bits_max),
-            default_lut_config(active, bm, w2.N, w2.K, sms, bits_max=w2.bits_max))
+    return (default_lut_config(active, bm, w13.N, w13.K, sms), default_lut_config(active, bm, w2.N, w2.K, sms))
 
 
 def ap_linear_lut(x: torch.Tensor, w: APMoEWeights, row: int, bias: torch.Tensor | None,
@@ -190,7 +186,7 @@ def ap_linear_lut(x: torch.Tensor, w: APMoEWeights, row: int, bias: torch.Tensor
     if config is None:
         bm = 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        config = default_lut_config(-(-m // bm), bm, w.N, w.K, sms, bits_max=w.bits_max)
+        config = default_lut_config(-(-m // bm), bm, w.N, w.K, sms)
     out = torch.zeros(m, w.N, dtype=torch.float32, device=x.device)
     _launch(MODE_LINEAR, x, out, w, config, -(-m // config.block_m), num_pairs=m, topk=1, row_index=row)
     if bias is not None:

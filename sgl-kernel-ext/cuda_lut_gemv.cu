@@ -67,42 +67,20 @@ __device__ __forceinline__ float lookup(const float* table, u32 byte_offset) {
     return *(const float*)((const char*)table + byte_offset);
 }
 
-// plane words of row n for the 128 inputs from k0: one 16-byte load per plane
-__device__ __forceinline__ void load_words(const unsigned char* const* planes, int q, int n, long long row_bytes, int k0,
-                                           uint4* w) {
+// plane words (one 16-byte load per plane) and the bcq scales (planes 0..q-1, offset at index PMAX) of row n
+// for the 128 inputs from k0
+__device__ __forceinline__ void load_chunk(const unsigned char* const* planes, const unsigned short* alphas, int q, int N,
+                                           int groups, int n, long long row_bytes, int k0, uint4* w,
+                                           unsigned short* a16) {
+    const int g = k0 / G;
 #pragma unroll
-    for (int p = 0; p < PMAX; ++p)
-        if (p < q) w[p] = __ldg((const uint4*)(planes[p] + n * row_bytes + k0 / 8));
-}
-
-// Row n's bcq scales for every chunk of this K slice into this thread's column of the shared array
-// alpha_s[slot][chunk][thread] (slot p < q: plane p's scale, slot PMAX: the offset). Lanes are consecutive
-// rows, so one vector load per slot covers four chunks: 8x fewer L1 wavefronts than a scalar load per
-// chunk (ncu: the kernel is bound by L1/TEX throughput), and the lookups read them conflict-free.
-__device__ __forceinline__ void stage_alphas(const unsigned short* alphas, int q, int N, int groups, int n, int k_begin,
-                                             int chunks, int chunks_max, unsigned short* alpha_s) {
-    const int tid = threadIdx.x;
-    const int g0 = k_begin / G;
-    const bool vec = G == CHUNK && (groups & 3) == 0 && (g0 & 3) == 0 && (chunks & 3) == 0;
-#pragma unroll
-    for (int slot = 0; slot <= PMAX; ++slot) {
-        if (slot < q || slot == PMAX) {
-            const int p = slot == PMAX ? q : slot;
-            const unsigned short* src = alphas + ((long long)p * N + n) * groups;
-            unsigned short* dst = alpha_s + slot * chunks_max * NTHREADS + tid;
-            if (vec) {
-                for (int c = 0; c < chunks; c += 4) {
-                    const uint2 v = __ldg((const uint2*)(src + g0 + c));
-                    dst[(c + 0) * NTHREADS] = (unsigned short)(v.x & 0xffff);
-                    dst[(c + 1) * NTHREADS] = (unsigned short)(v.x >> 16);
-                    dst[(c + 2) * NTHREADS] = (unsigned short)(v.y & 0xffff);
-                    dst[(c + 3) * NTHREADS] = (unsigned short)(v.y >> 16);
-                }
-            } else {
-                for (int c = 0; c < chunks; ++c) dst[c * NTHREADS] = __ldg(src + (k_begin + c * CHUNK) / G);
-            }
+    for (int p = 0; p < PMAX; ++p) {
+        if (p < q) {
+            w[p] = __ldg((const uint4*)(planes[p] + n * row_bytes + k0 / 8));
+            a16[p] = __ldg(alphas + ((long long)p * N + n) * groups + g);
         }
     }
+    a16[PMAX] = __ldg(alphas + ((long long)q * N + n) * groups + g);
 }
 
 // pair index of slot i of this block, -1 for padding (read again rather than indexing a register array)
@@ -125,7 +103,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ap_lut_gemv(
     const int chunks_max = kc_max / CHUNK;
     float* tables = smem;                                         // [BM][chunks_max][32 tables][16]
     float* sums = smem + BM * chunks_max * TABLE_FLOATS_PER_CHUNK;  // [BM][chunks_max]: sum of x per chunk
-    unsigned short* alpha_s = (unsigned short*)(sums + BM * chunks_max);  // [PMAX + 1][chunks_max][NTHREADS]
 
     const int tid = threadIdx.x;
     const int k_begin = blockIdx.z * k_per_split;
@@ -155,12 +132,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ap_lut_gemv(
 
     // the first row's first chunk is requested before the tables are built: its latency hides behind them
     int n = n_begin + tid;
-    const int n_first = n;
     uint4 w[PMAX];
-    if (n < n_end) {
-        load_words(planes, q, n, row_bytes, k_begin, w);
-        stage_alphas(alphas, q, N, groups, n, k_begin, chunks, chunks_max, alpha_s);
-    }
+    unsigned short a16[PMAX + 1];
+    if (n < n_end) load_chunk(planes, alphas, q, N, groups, n, row_bytes, k_begin, w, a16);
 
     // ---- activation tables: 16 signed sums per 4 inputs, per pair, and the sum of x per chunk ----
     const int nibbles = kc / 4;  // a multiple of 32: each warp covers one chunk of one pair
@@ -196,7 +170,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ap_lut_gemv(
     __syncthreads();
 
     for (; n < n_end; n += NTHREADS) {
-        if (n != n_first) stage_alphas(alphas, q, N, groups, n, k_begin, chunks, chunks_max, alpha_s);
         float y[BM];
 #pragma unroll
         for (int i = 0; i < BM; ++i) y[i] = 0.f;
@@ -204,18 +177,18 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ap_lut_gemv(
             // registers double-buffer the plane words: the next chunk (or the next row's first) is in flight
             // while this one is looked up
             uint4 wn[PMAX];
+            unsigned short an[PMAX + 1];
             const int cn = c + 1 < chunks ? c + 1 : 0;
             const int nn = c + 1 < chunks ? n : n + NTHREADS;
-            if (nn < n_end) load_words(planes, q, nn, row_bytes, k_begin + cn * CHUNK, wn);
-            const unsigned short* a_c = alpha_s + c * NTHREADS + tid;  // slot s at a_c[s * chunks_max * NTHREADS]
-            const float offset = half_to_float(a_c[PMAX * chunks_max * NTHREADS]);
+            if (nn < n_end) load_chunk(planes, alphas, q, N, groups, nn, row_bytes, k_begin + cn * CHUNK, wn, an);
+            const float offset = half_to_float(a16[PMAX]);
 #pragma unroll
             for (int i = 0; i < BM; ++i) y[i] += offset * sums[i * chunks_max + c];
             const float* t0 = tables + c * TABLE_FLOATS_PER_CHUNK;
 #pragma unroll
             for (int p = 0; p < PMAX; ++p) {
                 if (p < q) {
-                    const float alpha = half_to_float(a_c[p * chunks_max * NTHREADS]);
+                    const float alpha = half_to_float(a16[p]);
                     const u32 words[4] = {w[p].x, w[p].y, w[p].z, w[p].w};
                     // two partial sums per pair: halves the dependent-add chain of the 32 lookups
                     float acc[BM], acc2[BM];
@@ -244,6 +217,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ap_lut_gemv(
             }
 #pragma unroll
             for (int p = 0; p < PMAX; ++p) w[p] = wn[p];
+#pragma unroll
+            for (int p = 0; p <= PMAX; ++p) a16[p] = an[p];
         }
 #pragma unroll
         for (int i = 0; i < BM; ++i) {
