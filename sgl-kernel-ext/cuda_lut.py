@@ -35,7 +35,7 @@ MODE_W13, MODE_W2, MODE_LINEAR = 0, 1, 2
 @dataclass(frozen=True)
 class LUTConfig:
     block_m: int  # (token, slot) pairs of one expert per block (rows of x for a linear): 1, 2, 4 or 8
-    n_per_block: int  # output rows per block (a multiple of the 256 threads' one row each)
+    n_per_block: int  # output rows per block (a multiple of 256; two threads per row, 128 rows per pass)
     k_per_split: int  # inputs per block; K slices are summed with float32 atomics
 
     def __post_init__(self) -> None:
@@ -47,7 +47,8 @@ class LUTConfig:
             raise ValueError(f"k_per_split must be a positive multiple of {CHUNK}, got {self.k_per_split}")
 
     def shared_bytes(self) -> int:
-        return self.block_m * (self.k_per_split // CHUNK) * TABLE_BYTES_PER_CHUNK
+        """Per pair: the tables and sums of every chunk, plus the 16-float shift of the odd chunks."""
+        return self.block_m * ((self.k_per_split // CHUNK) * TABLE_BYTES_PER_CHUNK + 64)
 
 
 def lut_unsupported(w: APMoEWeights) -> str | None:
@@ -81,10 +82,10 @@ def default_lut_config(active_blocks_m: int, block_m: int, n: int, k: int, num_s
     kc = -(-k // CHUNK) * CHUNK
     while kc > 2 * CHUNK and (
         active_blocks_m * n_blocks * -(-k // kc) < blocks_per_sm * num_sms
-        or block_m * (kc // CHUNK) * TABLE_BYTES_PER_CHUNK > MAX_SHARED_BYTES
+        or LUTConfig(block_m, nb, kc).shared_bytes() > MAX_SHARED_BYTES
     ):
         kc = -(-(kc // 2) // CHUNK) * CHUNK
-    while block_m * (kc // CHUNK) * TABLE_BYTES_PER_CHUNK > MAX_SHARED_BYTES:
+    while LUTConfig(block_m, nb, kc).shared_bytes() > MAX_SHARED_BYTES:
         kc -= CHUNK
     return LUTConfig(block_m=block_m, n_per_block=nb, k_per_split=kc)
 

@@ -83,6 +83,15 @@ __device__ __forceinline__ void load_chunk(const unsigned char* const* planes, c
     a16[PMAX] = __ldg(alphas + ((long long)q * N + n) * groups + g);
 }
 
+// a pair's 32 tables of chunk c: odd chunks start 16 floats (16 banks) further, so the two lanes of a row,
+// which look up an even and an odd chunk at the same time, never hit the same bank
+__device__ __forceinline__ float* chunk_tables(float* pair_tables, int c) {
+    return pair_tables + c * TABLE_FLOATS_PER_CHUNK + (c & 1) * 16;
+}
+__device__ __forceinline__ const float* chunk_tables(const float* pair_tables, int c) {
+    return pair_tables + c * TABLE_FLOATS_PER_CHUNK + (c & 1) * 16;
+}
+
 // pair index of slot i of this block, -1 for padding (read again rather than indexing a register array)
 __device__ __forceinline__ int pair_of(int i, int num_pairs, const int* sorted_ids) {
 #if MODE == 2
@@ -93,7 +102,7 @@ __device__ __forceinline__ int pair_of(int i, int num_pairs, const int* sorted_i
     return p < num_pairs ? p : -1;
 }
 
-extern "C" __global__ void __launch_bounds__(NTHREADS) ap_lut_gemv(
+extern "C" __global__ void __launch_bounds__(NTHREADS, 2) ap_lut_gemv(  // 2 blocks per SM: <= 128 registers
     const void* x, float* out, const long long* page_table, const float* topk_weights,
     const int* sorted_ids, const int* expert_ids, const int* post_pad,
     int num_pairs, int topk, int N, int K, int ld_x, int ld_out, int pt_stride,
@@ -101,8 +110,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ap_lut_gemv(
     extern __shared__ float smem[];
     const int kc_max = k_per_split;
     const int chunks_max = kc_max / CHUNK;
-    float* tables = smem;                                         // [BM][chunks_max][32 tables][16]
-    float* sums = smem + BM * chunks_max * TABLE_FLOATS_PER_CHUNK;  // [BM][chunks_max]: sum of x per chunk
+    // tables [BM][chunks_max][32 tables][16], odd chunks shifted by 16 floats (see chunk_tables)
+    const int pair_stride = chunks_max * TABLE_FLOATS_PER_CHUNK + 16;
+    float* tables = smem;
+    float* sums = smem + BM * pair_stride;  // [BM][chunks_max]: sum of x per chunk
 
     const int tid = threadIdx.x;
     const int k_begin = blockIdx.z * k_per_split;
@@ -130,11 +141,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ap_lut_gemv(
     const int groups = K / G;
     const long long row_bytes = K / 8;
 
+    // Two lanes per row: lane h = tid & 1 takes the row's chunks h, h + 2, ... Each warp load then covers 16
+    // rows x 32 contiguous bytes (full sectors) instead of 32 rows x 16 bytes: half the L1 wavefronts per
+    // byte for the planes and the scales (ncu: the kernel is bound by L1/TEX throughput). The two lanes read
+    // tables of an even and an odd chunk, which sit 16 banks apart, so the lookups stay conflict-free.
+    const int h = tid & 1;
+    const int rows_per_pass = NTHREADS / 2;
+
     // the first row's first chunk is requested before the tables are built: its latency hides behind them
-    int n = n_begin + tid;
     uint4 w[PMAX];
     unsigned short a16[PMAX + 1];
-    if (n < n_end) load_chunk(planes, alphas, q, N, groups, n, row_bytes, k_begin, w, a16);
+    {
+        const int n = n_begin + (tid >> 1);
+        if (n < n_end && h < chunks) load_chunk(planes, alphas, q, N, groups, n, row_bytes, k_begin + h * CHUNK, w, a16);
+    }
 
     // ---- activation tables: 16 signed sums per 4 inputs, per pair, and the sum of x per chunk ----
     const int nibbles = kc / 4;  // a multiple of 32: each warp covers one chunk of one pair
@@ -158,8 +178,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ap_lut_gemv(
         // entry e: sum_t (bit t of e ? +x_t : -x_t)
         const float a[4] = {-v[0] - v[1], v[0] - v[1], -v[0] + v[1], v[0] + v[1]};
         const float b[4] = {-v[2] - v[3], v[2] - v[3], -v[2] + v[3], v[2] + v[3]};
-        float4* dst = (float4*)(tables + (i * chunks_max + j / TABLES_PER_CHUNK) * TABLE_FLOATS_PER_CHUNK +
-                                (j % TABLES_PER_CHUNK) * 16);
+        float4* dst = (float4*)(chunk_tables(tables + i * pair_stride, j / TABLES_PER_CHUNK) + (j % TABLES_PER_CHUNK) * 16);
 #pragma unroll
         for (int hi = 0; hi < 4; ++hi) dst[hi] = make_float4(a[0] + b[hi], a[1] + b[hi], a[2] + b[hi], a[3] + b[hi]);
         float s = a[3] + b[3];
@@ -169,22 +188,26 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ap_lut_gemv(
     }
     __syncthreads();
 
-    for (; n < n_end; n += NTHREADS) {
+    // every lane runs the same number of passes (the shuffle below needs the whole warp)
+    for (int base = n_begin; base < n_end; base += rows_per_pass) {
+        const int n = base + (tid >> 1);
+        const bool valid = n < n_end;
         float y[BM];
 #pragma unroll
         for (int i = 0; i < BM; ++i) y[i] = 0.f;
-        for (int c = 0; c < chunks; ++c) {
-            // registers double-buffer the plane words: the next chunk (or the next row's first) is in flight
-            // while this one is looked up
+        for (int c = h; valid && c < chunks; c += 2) {
+            // registers double-buffer the plane words: this lane's next chunk (or the next row's first) is in
+            // flight while this one is looked up
             uint4 wn[PMAX];
             unsigned short an[PMAX + 1];
-            const int cn = c + 1 < chunks ? c + 1 : 0;
-            const int nn = c + 1 < chunks ? n : n + NTHREADS;
+            const bool last = c + 2 >= chunks;
+            const int cn = last ? h : c + 2;
+            const int nn = last ? n + rows_per_pass : n;
             if (nn < n_end) load_chunk(planes, alphas, q, N, groups, nn, row_bytes, k_begin + cn * CHUNK, wn, an);
             const float offset = half_to_float(a16[PMAX]);
 #pragma unroll
             for (int i = 0; i < BM; ++i) y[i] += offset * sums[i * chunks_max + c];
-            const float* t0 = tables + c * TABLE_FLOATS_PER_CHUNK;
+            const float* t0 = chunk_tables(tables, c);
 #pragma unroll
             for (int p = 0; p < PMAX; ++p) {
                 if (p < q) {
@@ -205,7 +228,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ap_lut_gemv(
                             const int t_lo = (wi * 8 + 2 * b) * 16;  // nibble 2b of word wi
 #pragma unroll
                             for (int i = 0; i < BM; ++i) {
-                                const float* ti = t0 + i * chunks_max * TABLE_FLOATS_PER_CHUNK;
+                                const float* ti = t0 + i * pair_stride;
                                 acc[i] += lookup(ti + t_lo, off_lo);
                                 acc2[i] += lookup(ti + t_lo + 16, off_hi);
                             }
@@ -220,6 +243,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ap_lut_gemv(
 #pragma unroll
             for (int p = 0; p <= PMAX; ++p) a16[p] = an[p];
         }
+        // the row's two halves
+#pragma unroll
+        for (int i = 0; i < BM; ++i) y[i] += __shfl_xor_sync(0xffffffffu, y[i], 1);
+        if (!valid || h) continue;
 #pragma unroll
         for (int i = 0; i < BM; ++i) {
             const int p = pair_of(i, num_pairs, sorted_ids);
