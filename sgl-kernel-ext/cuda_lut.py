@@ -24,7 +24,8 @@ from pagedweight.kernels.weights import APMoEWeights
 
 CHUNK = 128  # inputs per step of the kernel (one 16-byte load per plane and row)
 NTHREADS = 256
-TABLE_BYTES_PER_CHUNK = (CHUNK // 4) * 16 * 4 + 4  # 32 nibble tables of 16 floats + the chunk's sum
+# per pair and chunk: 32 nibble tables of 16 floats, 16 floats of padding (bank offset), the chunk's sum
+TABLE_BYTES_PER_CHUNK = ((CHUNK // 4) * 16 + 16) * 4 + 4
 MAX_SHARED_BYTES = 96 * 1024  # two blocks per SM on Hopper
 _SOURCE = Path(__file__).with_name("cuda_lut_gemv.cu")
 _XT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -47,8 +48,7 @@ class LUTConfig:
             raise ValueError(f"k_per_split must be a positive multiple of {CHUNK}, got {self.k_per_split}")
 
     def shared_bytes(self) -> int:
-        """Per pair: the tables and sums of every chunk, plus the 16-float shift of the odd chunks."""
-        return self.block_m * ((self.k_per_split // CHUNK) * TABLE_BYTES_PER_CHUNK + 64)
+        return self.block_m * (self.k_per_split // CHUNK) * TABLE_BYTES_PER_CHUNK
 
 
 def lut_unsupported(w: APMoEWeights) -> str | None:

@@ -83,13 +83,13 @@ __device__ __forceinline__ void load_chunk(const unsigned char* const* planes, c
     a16[PMAX] = __ldg(alphas + ((long long)q * N + n) * groups + g);
 }
 
-// a pair's 32 tables of chunk c: odd chunks start 16 floats (16 banks) further, so the two lanes of a row,
-// which look up an even and an odd chunk at the same time, never hit the same bank
-__device__ __forceinline__ float* chunk_tables(float* pair_tables, int c) {
-    return pair_tables + c * TABLE_FLOATS_PER_CHUNK + (c & 1) * 16;
-}
+// a pair's 32 tables of chunk c: chunks are CHUNK_STRIDE = 512 + 16 floats apart, so an odd chunk's tables sit
+// 16 banks away from an even chunk's and the two lanes of a row, which look up an even and an odd chunk at
+// the same time, never hit the same bank
+#define CHUNK_STRIDE (TABLE_FLOATS_PER_CHUNK + 16)
+__device__ __forceinline__ float* chunk_tables(float* pair_tables, int c) { return pair_tables + c * CHUNK_STRIDE; }
 __device__ __forceinline__ const float* chunk_tables(const float* pair_tables, int c) {
-    return pair_tables + c * TABLE_FLOATS_PER_CHUNK + (c & 1) * 16;
+    return pair_tables + c * CHUNK_STRIDE;
 }
 
 // pair index of slot i of this block, -1 for padding (read again rather than indexing a register array)
@@ -110,8 +110,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) ap_lut_gemv(  // 2 blo
     extern __shared__ float smem[];
     const int kc_max = k_per_split;
     const int chunks_max = kc_max / CHUNK;
-    // tables [BM][chunks_max][32 tables][16], odd chunks shifted by 16 floats (see chunk_tables)
-    const int pair_stride = chunks_max * TABLE_FLOATS_PER_CHUNK + 16;
+    // tables [BM][chunks_max][CHUNK_STRIDE]: 32 tables of 16 floats per chunk, then 16 floats of padding
+    const int pair_stride = chunks_max * CHUNK_STRIDE;
     float* tables = smem;
     float* sums = smem + BM * pair_stride;  // [BM][chunks_max]: sum of x per chunk
 
