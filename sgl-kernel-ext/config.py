@@ -154,11 +154,12 @@ def default_linear_config(m: int, n: int, k: int, group_size: int | None, num_sm
 
 # The activation-side-table kernel (cuda_lut.py, CUDA, bcq) serves decode sizes. Its cost grows with the
 # (token, slot) pairs (one table lookup per pair and plane nibble), the tile kernels' with the experts hit
-# (tensor cores take an expert's pairs for free), and per unit the two cost about the same on Mixtral (H200,
-# 4 bits: 106 us per pair vs 114 per expert) while the tiles cost more on Qwen1.5-MoE's small experts. So the
-# LUT kernel runs while the pairs per expert expected to be hit stay at most LUT_MAX_PAIRS_PER_EXPERT, and
-# ap_linear while x has at most LINEAR_LUT_MAX_M rows (docs/results/kernel.md).
-LUT_MAX_PAIRS_PER_EXPERT = 1.25
+# (tensor cores take an expert's pairs for free). H200, 4 bits (docs/results/kernel.md, final kernel): Mixtral
+# M=4 (1.46 pairs per expected expert) LUT 491 us vs tiles 797, Qwen1.5-MoE M=16 (1.6) 210 vs 254, Mixtral
+# M=16 (4.0) 1390 vs 802. So the LUT kernel runs while the pairs per expert expected to be hit stay at most
+# LUT_MAX_PAIRS_PER_EXPERT, and ap_linear while x has at most LINEAR_LUT_MAX_M rows (linear_bench: LUT ahead
+# of the tiles at M <= 4 on every dense shape, behind at M = 8 before the two-lane kernel; not re-timed).
+LUT_MAX_PAIRS_PER_EXPERT = 2.0
 LINEAR_LUT_MAX_M = 4
 
 

@@ -67,9 +67,10 @@ def test_config_validation_and_shared_memory_cap():
 def test_prefer_lut_follows_pairs_per_expert():
     assert expected_experts_hit(1, 4, 60) == pytest.approx(4.0)
     assert expected_experts_hit(1000, 2, 8) == pytest.approx(8.0)
-    # H200 measurements (docs/results/kernel.md): LUT at Mixtral M=1 and Qwen1.5-MoE M=1, 4; tiles beyond
-    assert prefer_lut(1, 2, 8) and prefer_lut(1, 4, 60) and prefer_lut(4, 4, 60)
-    assert not prefer_lut(4, 2, 8) and not prefer_lut(16, 4, 60) and not prefer_lut(64, 2, 8)
+    # H200 measurements (docs/results/kernel.md): LUT at Mixtral M=1, 4 and Qwen1.5-MoE M=1, 4, 16; tiles beyond
+    assert prefer_lut(1, 2, 8) and prefer_lut(4, 2, 8)
+    assert prefer_lut(1, 4, 60) and prefer_lut(4, 4, 60) and prefer_lut(16, 4, 60)
+    assert not prefer_lut(16, 2, 8) and not prefer_lut(64, 4, 60) and not prefer_lut(64, 2, 8)
 
 
 def test_refusals_name_the_reason():
