@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shift-kind", choices=("wiki", "news"), default="news")
     p.add_argument("--calib-tokens", type=int, default=4096, help="`pagedweight calibrate --tokens`")
     p.add_argument("--convert-calib-tokens", type=int, default=2048, help="`pagedweight convert --calib-tokens` (0: no --calib-text, uniform column weights)")
+    p.add_argument("--bcq-init", choices=("greedy", "uniform"), default="greedy",
+                   help="`pagedweight convert --bcq-init` of the bcq checkpoint (sign planes: greedy or uniform grid)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--windows", type=int, default=12, help="evaluation windows of --seq-len tokens")
     p.add_argument("--bits", default="3,4,5,6", help="uniform points (bits)")
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = artifacts.ensure_model(cache, log, args.model_dir, args.threads)
     calib_text = artifacts.text_file(cache, args.calib_kind)
     ap, calib = artifacts.ensure_all(cache, log, model_dir, calib_text, args.calib_kind, args.convert_calib_tokens,
-                                     args.calib_tokens, args.seed)
+                                     args.calib_tokens, args.seed, args.bcq_init)
     artifacts_s = time.perf_counter() - started
 
     config = ExperimentConfig(

@@ -231,3 +231,28 @@ def test_sharded_source_gives_sharded_dense_output(models, tmp_path):
     assert set(dense) == {n for n in state if ".experts." not in n}
     assert written["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in dense.values())
     assert len(APCheckpoint.open(out).names()) == SIZES.num_layers * SIZES.num_experts * 3
+
+
+def test_cli_bcq_init_uniform_is_recorded_and_served_like_any_bcq(models, tmp_path, capsys):
+    """--bcq-init uniform: same layout (the reader and kernels do not care), lower fit error, the choice in
+    the manifest; refused for k-means tables."""
+    greedy, uniform = tmp_path / "greedy", tmp_path / "uniform"
+    base = ["convert", "--model", str(models["mixtral"]), "--bits-min", "2", "--bits-max", "6", "--group-size", "32"]
+    assert cli_main([*base, "--out", str(greedy)]) == 0
+    assert cli_main([*base, "--out", str(uniform), "--bcq-init", "uniform"]) == 0
+    manifest = json.loads((uniform / "pagedweight" / "manifest.json").read_text())
+    assert manifest["bcq_init"] == "uniform"
+    assert "bcq_init" not in json.loads((greedy / "pagedweight" / "manifest.json").read_text())
+    a, b = APCheckpoint.open(greedy), APCheckpoint.open(uniform)
+    assert a.manifest.bcq_init == "greedy" and b.manifest.bcq_init == "uniform"
+    state = load_file(str(models["mixtral"] / "model.safetensors"))
+    err = {4: [0.0, 0.0], 6: [0.0, 0.0]}
+    for name in a.manifest.tensors:
+        w = state[f"{name}.weight"].float()
+        for bits in err:
+            err[bits][0] += float((a.block(name).dequantize(bits) - w).square().sum())
+            err[bits][1] += float((b.block(name).dequantize(bits) - w).square().sum())
+    assert all(e_uniform < e_greedy for e_greedy, e_uniform in err.values()), err
+    capsys.readouterr()
+    assert cli_main([*base, "--out", str(tmp_path / "km"), "--table-kind", "kmeans", "--bcq-init", "uniform"]) == 2
+    assert "--bcq-init uniform applies to --table-kind bcq only" in capsys.readouterr().err

@@ -203,3 +203,54 @@ def test_bad_inputs():
         quantize_block(w, "gptq", 2, 4)
     with pytest.raises(ValueError, match="planes"):
         QuantizedBlock(BlockSpec(4, 64, 2, 4, "kmeans"), torch.zeros(3, 4, 8, dtype=torch.uint8), {})
+
+
+# ------------------------------------------------------------------ bcq planes from a uniform grid
+
+
+@pytest.mark.parametrize("kind", ["gauss", "heavy"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_uniform_init_is_monotone_and_beats_greedy_from_4_bits(kind, weighted):
+    w = _matrix(kind, n=32, k=128, seed=3)
+    h = _hessian(128) if weighted else None
+    uni = quantize_bcq(w, 2, 8, 32, h, init="uniform")
+    greedy = quantize_bcq(w, 2, 8, 32, h, init="greedy")
+    eu = [weighted_error(w, uni.dequantize(b), h) for b in uni.spec.bitwidths]
+    eg = [weighted_error(w, greedy.dequantize(b), h) for b in greedy.spec.bitwidths]
+    assert all(a >= b for a, b in zip(eu, eu[1:])), eu
+    # b = 4..8 always; at 3 bits the outliers of the heavy-tailed rows stretch the grid and greedy wins
+    first = 1 if kind == "gauss" else 2
+    assert all(u < g for u, g in zip(eu[first:], eg[first:])), (eu, eg)
+
+
+def test_uniform_init_is_exact_on_a_4bit_grid():
+    """Weights already on a 4-bit grid per group (GGUF Q4_1-style: min + d * q, bell-shaped codes with both
+    ends used, as a scale-and-min quantizer leaves them) come back exactly at 4 bits and above: the top four
+    planes are the source codes. Greedy residual signs split at the mean, not on the grid, and do not."""
+    g = torch.Generator().manual_seed(5)
+    n, k, group = 16, 128, 32
+    codes = (7.5 + 3.0 * torch.randn(n * k // group, group, generator=g)).round().clamp(0, 15)
+    codes[:, 0], codes[:, 1] = 0, 15
+    codes = codes.long().reshape(n, k)
+    d = torch.rand(n, k // group, 1, generator=g) * 0.01 + 1e-3
+    lo = torch.randn(n, k // group, 1, generator=g) * 0.02
+    w = (lo + d * codes.reshape(n, k // group, group)).reshape(n, k).to(torch.bfloat16).float()
+    block = quantize_bcq(w, 2, 8, group, init="uniform")
+    for b in range(4, 9):
+        rel = float((block.dequantize(b) - w).norm() / w.norm())
+        assert rel < 2e-3, (b, rel)  # fp16 tables and bf16 weights, nothing else
+    top4 = codes_from_planes(block.planes, 4)
+    assert torch.equal(top4, codes.to(top4.dtype))
+    greedy = quantize_bcq(w, 2, 8, group, init="greedy")
+    assert float((greedy.dequantize(4) - w).norm() / w.norm()) > 10 * 2e-3
+
+
+def test_uniform_init_degenerate_groups_and_bad_init():
+    w = torch.zeros(4, 16)
+    w[1] = 0.25
+    w[2, :8] = -1.0
+    block = quantize_bcq(w, 2, 4, 16, init="uniform")
+    for b in block.spec.bitwidths:
+        assert torch.allclose(block.dequantize(b), w, atol=1e-3), b
+    with pytest.raises(ValueError, match="bcq init must be one of"):
+        quantize_bcq(w, 2, 4, 16, init="random")

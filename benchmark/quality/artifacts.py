@@ -101,11 +101,15 @@ def group_size_for(model_dir: Path) -> int:
 
 
 def start_ap(cache: Path, log: ArtifactLog, model_dir: Path, kind: str, calib_text: Path,
-             calib_tokens: int, seed: int) -> tuple[Path, Job]:
+             calib_tokens: int, seed: int, bcq_init: str = "greedy") -> tuple[Path, Job]:
     out = cache / f"ap-{kind}"
-    done = (out / "pagedweight" / "manifest.json").is_file()
+    manifest = out / "pagedweight" / "manifest.json"
+    init = bcq_init if kind == "bcq" else "greedy"
+    # a finished conversion is reused only if it was made with the same sign-plane init
+    done = manifest.is_file() and json.loads(manifest.read_text()).get("bcq_init", "greedy") == init
     argv = ["convert", "--model", str(model_dir), "--out", str(out), "--table-kind", kind, "--bits-min", "2",
             "--bits-max", "8", "--group-size", str(group_size_for(model_dir)),
+            *(["--bcq-init", init] if init != "greedy" else []),
             *(["--calib-text", str(calib_text), "--calib-tokens", str(calib_tokens)] if calib_tokens > 0 else []),
             "--seed", str(seed), *(["--force"] if out.exists() and not done else [])]
     return out, log.start(argv, out, reuse=done)
@@ -134,9 +138,10 @@ def calibration_current(path: Path) -> bool:
 
 
 def ensure_all(cache: Path, log: ArtifactLog, model_dir: Path, calib_text: Path, calib_kind: str,
-               convert_tokens: int, calib_tokens: int, seed: int) -> tuple[dict[str, Path], Path]:
+               convert_tokens: int, calib_tokens: int, seed: int,
+               bcq_init: str = "greedy") -> tuple[dict[str, Path], Path]:
     """Both conversions at once; calibration starts as soon as the bcq checkpoint exists."""
-    bcq, bcq_job = start_ap(cache, log, model_dir, "bcq", calib_text, convert_tokens, seed)
+    bcq, bcq_job = start_ap(cache, log, model_dir, "bcq", calib_text, convert_tokens, seed, bcq_init)
     kmeans, kmeans_job = start_ap(cache, log, model_dir, "kmeans", calib_text, convert_tokens, seed)
     bcq_job.wait()
     calib, calib_job = start_calibration(log, model_dir, bcq, calib_text, calib_kind, calib_tokens)

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from pagedweight.format.arch import DENSE_LINEAR, EXPERT_NAME_HINTS, PROJS, SHARED, ArchAdapter, BlockKey, adapter_for, block_name
+from pagedweight.format.bcq import BCQ_INITS
 from pagedweight.format.checkpoint import APCheckpointWriter
 from pagedweight.format.layout import TABLE_KINDS
 from pagedweight.format.manifest import AP_SUBDIR, ModelInfo
@@ -57,6 +58,7 @@ class ConvertOptions:
     progress: bool = True
     workers: int = 1  # >1: quantize blocks in a process pool (same bytes out, see _quantize_blocks)
     dense_linears: bool = False  # also quantize the attention projections and lm_head (manifest "dense")
+    bcq_init: str = "greedy"  # bcq sign planes: greedy residual signs, or a uniform grid (format/bcq.py)
 
     def validate(self) -> None:
         if self.table_kind not in TABLE_KINDS:
@@ -71,6 +73,10 @@ class ConvertOptions:
             raise ConversionError(f"--calib-tokens must be positive, got {self.calib_tokens}")
         if self.calib_text is not None and not Path(self.calib_text).is_file():
             raise ConversionError(f"--calib-text {self.calib_text} is not a file")
+        if self.bcq_init not in BCQ_INITS:
+            raise ConversionError(f"--bcq-init must be one of {BCQ_INITS}, got {self.bcq_init!r}")
+        if self.bcq_init != "greedy" and self.table_kind != "bcq":
+            raise ConversionError(f"--bcq-init {self.bcq_init} applies to --table-kind bcq only")
         if self.max_shard_bytes <= 0:
             raise ConversionError(f"max_shard_bytes must be positive, got {self.max_shard_bytes}")
         if self.workers < 1:
@@ -302,11 +308,11 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, **options: An
 
 
 def _quantize_one(shard: Path, name: str, hessian: torch.Tensor | None, kind: str, bits_min: int, bits_max: int,
-                  group_size: int):
+                  group_size: int, bcq_init: str):
     """Read one expert weight from its shard and quantize it: (QuantizedBlock, sum of squared weights)."""
     with safe_open(str(shard), framework="pt") as f:
         weight = f.get_tensor(name).float()
-    block = quantize_block(weight, kind, bits_min, bits_max, group_size, hessian)
+    block = quantize_block(weight, kind, bits_min, bits_max, group_size, hessian, bcq_init)
     return block, float(weight.double().square().sum())
 
 
@@ -319,7 +325,7 @@ def _pool_worker_init() -> None:
 @contextlib.contextmanager
 def _block_quantizer(opts: ConvertOptions):
     """Yields quantize(shard, jobs) -> iterator of (block, energy) in job order; in-process or a process pool."""
-    args = (opts.table_kind, opts.bits_min, opts.bits_max, opts.group_size)
+    args = (opts.table_kind, opts.bits_min, opts.bits_max, opts.group_size, opts.bcq_init)
     if opts.workers == 1:
         yield lambda shard, jobs: (_quantize_one(shard, name, hessian, *args) for name, _, hessian in jobs)
         return
@@ -356,6 +362,7 @@ def _convert_into(source: SourceModel, partial: Path, opts: ConvertOptions) -> N
         calibration=calibration,
         seed=opts.seed,
         max_shard_bytes=opts.max_shard_bytes,
+        bcq_init=opts.bcq_init,
     )
     dense_parts: list[dict[str, torch.Tensor]] = []
     sse = {b: 0.0 for b in range(opts.bits_min, opts.bits_max + 1)}
@@ -416,6 +423,10 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--bits-max", type=int, default=8, help="parent bitwidth (planes stored), default 8")
     parser.add_argument("--group-size", type=int, default=128,
                         help="bcq input group size (power of two; clipped to in_features), default 128")
+    parser.add_argument("--bcq-init", choices=BCQ_INITS, default="greedy",
+                        help="how bcq sign planes are chosen: greedy residual signs (default) or the codes of a "
+                        "uniform grid anchored at 4 bits (lower error on the MoEfied SmolLM2, exact at 4 bits for "
+                        "GGUF Q4 sources; docs/format.md)")
     parser.add_argument("--calib-text", type=Path, default=None,
                         help="UTF-8 text file for Hessian-weighted fitting (default: uniform weights)")
     parser.add_argument("--calib-tokens", type=int, default=512, help="calibration tokens, default 512")
@@ -438,7 +449,7 @@ def _run_cli(args: argparse.Namespace) -> int:
             args.model, args.out, table_kind=args.table_kind, bits_min=args.bits_min, bits_max=args.bits_max,
             group_size=args.group_size, calib_text=args.calib_text, calib_tokens=args.calib_tokens, seed=args.seed,
             standalone_ap_dir=args.standalone_ap_dir, force=args.force, workers=args.workers,
-            dense_linears=args.dense_linears,
+            dense_linears=args.dense_linears, bcq_init=args.bcq_init,
         )
     except ConversionError as exc:
         print(f"pagedweight convert: error: {exc}", file=sys.stderr)

@@ -338,13 +338,14 @@ class APCheckpointWriter:
         calibration: dict[str, Any] | None = None,
         seed: int = 0,
         max_shard_bytes: int = 1 << 30,
+        bcq_init: str = "greedy",
     ) -> None:
         self.ap_dir = Path(ap_dir)
         if (self.ap_dir / MANIFEST_NAME).exists():
             raise APCheckpointError(f"{self.ap_dir} already holds an AP checkpoint; write into an empty directory")
         self.ap_dir.mkdir(parents=True, exist_ok=True)
         self._params = dict(table_kind=table_kind, bits_min=bits_min, bits_max=bits_max, group_size=group_size)
-        self._model, self._calibration, self._seed = model, calibration, seed
+        self._model, self._calibration, self._seed, self._bcq_init = model, calibration, seed, bcq_init
         self._max_shard_bytes = max_shard_bytes
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_names: list[str] = []
@@ -412,7 +413,7 @@ class APCheckpointWriter:
         ordered = dict(sorted(tensors.items(), key=lambda item: item[1].key.sort_key()))
         manifest = Manifest(
             **self._params, model=self._model, calibration=self._calibration, seed=self._seed,
-            tensors=ordered, files=files, dense=dict(sorted(dense.items())),
+            tensors=ordered, files=files, dense=dict(sorted(dense.items())), bcq_init=self._bcq_init,
         )
         write_manifest_atomically(self.ap_dir, manifest)
         return manifest

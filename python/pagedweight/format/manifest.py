@@ -126,6 +126,7 @@ class Manifest:
     tensors: dict[str, TensorEntry]
     files: dict[str, FileEntry]
     dense: dict[str, DenseEntry] = field(default_factory=dict)
+    bcq_init: str = "greedy"  # how the converter chose the sign planes (provenance; readers need not care)
 
     def to_json(self) -> dict[str, Any]:
         model = {
@@ -161,6 +162,8 @@ class Manifest:
             "tensors": tensors,
             "files": {name: {"bytes": f.bytes, "sha256": f.sha256} for name, f in self.files.items()},
         }
+        if self.bcq_init != "greedy":  # absent for the default, so earlier checkpoints keep their exact bytes
+            out["bcq_init"] = self.bcq_init
         if self.dense:  # absent rather than empty, so expert-only checkpoints keep their exact bytes
             out["dense"] = {
                 name: {"shape": list(e.shape), "group_size": e.group_size, "file": e.file}
@@ -248,4 +251,4 @@ class Manifest:
             if name in tensors:
                 raise fail(f"tensor {name!r} is listed both as an expert block and as a dense block")
         return cls(table_kind, bits_min, bits_max, group_size, model, data.get("calibration"),
-                   int(data.get("seed", 0)), tensors, files, dense)
+                   int(data.get("seed", 0)), tensors, files, dense, str(data.get("bcq_init", "greedy")))

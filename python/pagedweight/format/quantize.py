@@ -34,11 +34,13 @@ def quantize_block(
     bits_max: int,
     group_size: int = 128,
     hessian_diag: torch.Tensor | None = None,
+    bcq_init: str = "greedy",
 ) -> QuantizedBlock:
-    """Quantize W[N, K] to an AP block. `group_size` (bcq only) is clipped to K (effective_group_size)."""
+    """Quantize W[N, K] to an AP block. `group_size` and `bcq_init` (bcq only): the group is clipped to K
+    (effective_group_size); the init picks how sign planes are chosen (pagedweight.format.bcq)."""
     if table_kind == "bcq":
         g = effective_group_size(weight.shape[-1], group_size)
-        return quantize_bcq(weight, bits_min, bits_max, g, hessian_diag)
+        return quantize_bcq(weight, bits_min, bits_max, g, hessian_diag, init=bcq_init)
     if table_kind == "kmeans":
         return quantize_kmeans(weight, bits_min, bits_max, hessian_diag)
     raise ValueError(f"table_kind must be one of {TABLE_KINDS}, got {table_kind!r}")
