@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--convert-calib-tokens", type=int, default=2048, help="`pagedweight convert --calib-tokens` (0: no --calib-text, uniform column weights)")
     p.add_argument("--bcq-init", choices=("greedy", "uniform"), default="greedy",
                    help="`pagedweight convert --bcq-init` of the bcq checkpoint (sign planes: greedy or uniform grid)")
+    p.add_argument("--stage-slack", type=float, default=None,
+                   help="quality policy: use a floor stage only if it could free (1 + slack) x the target "
+                   "(default: QualityOptions' default)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--windows", type=int, default=12, help="evaluation windows of --seq-len tokens")
     p.add_argument("--bits", default="3,4,5,6", help="uniform points (bits)")
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         bits=tuple(int(b) for b in args.bits.split(",")),
         extra_bits=tuple(float(b) for b in args.extra_bits.split(",") if b.strip()),
         refine=args.refine, progress=not args.quiet, memo_path=cache / ("measurements-shift.json" if args.only_shift else "measurements.json"),
-        only_shift=args.only_shift,
+        only_shift=args.only_shift, stage_slack=args.stage_slack,
     )
     command = "python benchmark/quality_curve.py" + ("" if argv is None and len(sys.argv) == 1 else
                                                      " " + " ".join(sys.argv[1:] if argv is None else argv))

@@ -45,6 +45,7 @@ class ExperimentConfig:
     progress: bool = True
     memo_path: Path | None = None  # persisted measurements (resume); None: in memory only
     only_shift: bool = False  # measure only the workload-shift section (can run beside a main run)
+    stage_slack: float | None = None  # QualityOptions.stage_slack of every quality-policy run; None: its default
 
 
 @dataclass
@@ -159,7 +160,7 @@ def run_experiment(cfg: ExperimentConfig, on_section=None) -> dict:
     hot_obs = Observation(now_s=0.0, routing_counts=calib_traffic.counts)
 
     def quality(observer_from: TextSet | None = main, **options) -> QualityPolicy:
-        return QualityPolicy(calib, QualityOptions(**options),
+        return QualityPolicy(calib, QualityOptions(**_slack(cfg), **options),
                              observer_from.served.observer() if observer_from is not None else None)
 
     bf16 = _point(ev.measure(main, {}), bytes_=bf16_bytes)
@@ -282,9 +283,13 @@ def _shift_only(cfg, model, bank, tokenizer, calib, bcq, ev, bf16_bytes, out) ->
     return out
 
 
+def _slack(cfg: ExperimentConfig) -> dict:
+    return {} if cfg.stage_slack is None else {"stage_slack": cfg.stage_slack}
+
+
 def _workload_shift(cfg, model, bank, tokenizer, calib, bcq, ev, bf16_bytes, b3) -> dict:
     def quality(observer_from=None, **options) -> QualityPolicy:
-        return QualityPolicy(calib, QualityOptions(**options),
+        return QualityPolicy(calib, QualityOptions(**_slack(cfg), **options),
                              observer_from.served.observer() if observer_from is not None else None)
 
     ts = _text_set(model, bank, tokenizer, cfg.shift_kind, cfg)

@@ -57,9 +57,11 @@ class QualityOptions:
     # a change of desired bits or floors always rebuilds it. 0 = rebuild on every change.
     rebuild_interval_s: float = 0.5
     # A floor stage is used only if it could free (1 + stage_slack) * D (when no stage has that room, the
-    # loosest). 0 = the first stage that can meet D. On the moefied SmolLM at the uniform-3-bit budget,
-    # slack 0 (bucket floors decide) gave ppl 4368 vs 7367 with slack 0.25 (uniform 7761, bf16 515).
-    stage_slack: float = 0.0
+    # loosest). 0 = the first stage that can meet D, whose floors then decide most blocks. On the final
+    # MoEfied SmolLM2 with uniform-grid planes (docs/results/quality.md), 0.25 beats 0 at every budget
+    # (ppl at the 3/4/5-bit budgets 48.06 / 39.46 / 38.19 vs 50.85 / 40.23 / 38.40; uniform AP 61.37 /
+    # 39.69 / 38.32); on an early smoke-test build 0 had been better (4368 vs 7367, uniform 7761).
+    stage_slack: float = 0.25
 
     def __post_init__(self) -> None:
         if not self.eps > 0:
