@@ -339,8 +339,8 @@ def main() -> None:
                         variants.append(("tiles", dict(configs=(t13, t2)), t13, t2))
                     for vname, kw, v13, v2 in variants:
                         rv = dict(r, variant=vname, cfg13=vars(v13), cfg2=vars(v2))
-                        if "lut" in (vname, r["default_kernel"] if vname == "default" else None):
-                            rv.pop("cfg13"), rv.pop("cfg2")
+                        if vname == "lut" or (vname == "default" and r["default_kernel"] == "lut"):
+                            del rv["cfg13"], rv["cfg2"]  # the tile configs do not apply to the LUT kernel
                         try:
                             if v13.dequant_chunk > 0 and v13.dense_gemm == "sglang":
                                 # only this variant needs sglang: its execution context (default ServerArgs), as

@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from pagedweight.kernels.cuda_lut import LUTConfig, ap_linear_lut, default_lut_config
+from pagedweight.kernels.cuda_lut import LUTConfig, ap_linear_lut, block_m_for_rows, default_lut_config
 from pagedweight.kernels.testing import random_ap_projection
 
 from linear_bench import FLUSH_BYTES, _replay_us, graph_time_us  # benchmark/ is on sys.path as a script
@@ -48,7 +48,7 @@ def main() -> None:
         w_bf16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         for m in (int(v) for v in args.ms.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            bm = 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
+            bm = block_m_for_rows(m)
             default = default_lut_config(-(-m // bm), bm, n, k, sms)
             row = {"shape": name, "N": n, "K": k, "M": m, "default": vars(default),
                    "us_torch_bf16": round(graph_time_us(lambda: torch.nn.functional.linear(x, w_bf16), flush, flush_us), 1)}

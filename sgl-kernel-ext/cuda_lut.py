@@ -64,6 +64,18 @@ def lut_unsupported(w: APMoEWeights) -> str | None:
     return None
 
 
+def require_lut(name: str, w: APMoEWeights) -> None:
+    """Raise, naming the reason, when the LUT kernel cannot serve `w`."""
+    why = lut_unsupported(w)
+    if why is not None:
+        raise ValueError(f"{name}: the LUT kernel cannot run: {why}")
+
+
+def block_m_for_rows(m: int) -> int:
+    """Rows of x per block of a dense linear: the smallest block_m holding all of them (at most 8)."""
+    return next((bm for bm in (1, 2, 4) if m <= bm), 8)
+
+
 def block_m_for_pairs(num_pairs: int, num_experts: int) -> int:
     """Pairs per block from the mean pairs per expert hit (padding slots cost lookups too)."""
     per_expert = num_pairs / max(1, min(num_experts, num_pairs))
@@ -75,8 +87,8 @@ def block_m_for_pairs(num_pairs: int, num_experts: int) -> int:
 
 def default_lut_config(active_blocks_m: int, block_m: int, n: int, k: int, num_sms: int,
                        blocks_per_sm: int = 4) -> LUTConfig:
-    """One row per thread, 256 rows per block; K split until the grid has ~`blocks_per_sm` blocks per SM
-    (decode grids are small: Qwen1.5-MoE's w13 at M=1 is 4 experts x 11 row blocks)."""
+    """256 rows per block (two threads per row, two passes); K split until the grid has ~`blocks_per_sm`
+    blocks per SM (decode grids are small: Qwen1.5-MoE's w13 at M=1 is 4 experts x 11 row blocks)."""
     nb = NTHREADS
     n_blocks = -(-n // nb)
     kc = -(-k // CHUNK) * CHUNK
@@ -143,10 +155,8 @@ def ap_fused_moe_lut(
 ) -> torch.Tensor:
     """gate/up -> silu * up -> down with routing weights, over the page tables (three launches: the
     alignment, w13 into a float32 h, w2 with silu applied while its tables are built)."""
-    for name, w in (("w13", w13), ("w2", w2)):
-        why = lut_unsupported(w)
-        if why is not None:
-            raise ValueError(f"{name}: the LUT kernel cannot run: {why}")
+    require_lut("w13", w13)
+    require_lut("w2", w2)
     m, topk = topk_ids.shape
     num_pairs = m * topk
     if configs is None:
@@ -179,13 +189,11 @@ def default_moe_lut_configs(m: int, topk: int, num_experts: int, w13: APMoEWeigh
 def ap_linear_lut(x: torch.Tensor, w: APMoEWeights, row: int, bias: torch.Tensor | None,
                   config: LUTConfig | None = None) -> torch.Tensor:
     """y = x @ W_row^T (+ bias) for small M (every row of x is a pair; blocks of block_m rows)."""
-    why = lut_unsupported(w)
-    if why is not None:
-        raise ValueError(f"linear: the LUT kernel cannot run: {why}")
+    require_lut("linear", w)
     m = x.shape[0]
     x = x.contiguous()
     if config is None:
-        bm = 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
+        bm = block_m_for_rows(m)
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         config = default_lut_config(-(-m // bm), bm, w.N, w.K, sms)
     out = torch.zeros(m, w.N, dtype=torch.float32, device=x.device)

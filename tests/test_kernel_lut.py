@@ -20,6 +20,7 @@ from pagedweight.kernels.cuda_lut import (
     LUTConfig,
     ap_fused_moe_lut,
     ap_linear_lut,
+    block_m_for_rows,
     compile_to_cubin,
     default_lut_config,
     kernel_defines,
@@ -57,6 +58,7 @@ def test_config_validation_and_shared_memory_cap():
             cfg = default_lut_config(1, bm, 4096, k, num_sms=132)
             assert cfg.shared_bytes() <= MAX_SHARED_BYTES and cfg.k_per_split % CHUNK == 0
             assert cfg.k_per_split <= -(-k // CHUNK) * CHUNK
+    assert [block_m_for_rows(m) for m in (1, 2, 3, 4, 5, 8)] == [1, 2, 4, 4, 8, 8]
     # a small grid splits K; a large one does not
     small = default_lut_config(4, 1, 2816, 2048, num_sms=132)
     large = default_lut_config(512, 1, 28672, 4096, num_sms=132)
