@@ -1,7 +1,8 @@
-"""Time the prefill path's dequantization kernel (planes -> dense bf16 scratch) over launch shapes.
+"""Time the prefill path's dequantization kernels (planes -> dense bf16 scratch) over launch shapes.
 
 The prefill path costs "dequantize every expert once + the bf16 GEMM"; this isolates the first part and
-compares it with the copy rate it could reach (bytes = planes and tables read + 2 bytes per weight written).
+compares it with the copy rate it could reach (bytes = planes and tables read + 2 bytes per weight
+written), for the CUDA kernel (bcq, words per thread 1/2/4) and the Triton one (both kinds, block shapes).
 Needs only torch + Triton on a CUDA GPU (no SGLang):
 
     python benchmark/dequant_sweep.py --out out/dequant_sweep.json
@@ -16,6 +17,7 @@ import time
 import torch
 import triton
 
+from pagedweight.kernels.cuda_dequant import dequantize_chunk_cuda
 from pagedweight.kernels.testing import random_ap_projection
 from pagedweight.kernels.triton_dequant_moe import dequantize_chunk
 
@@ -54,6 +56,13 @@ def main() -> None:
             scratch = torch.empty(chunk, N, K, dtype=torch.bfloat16, device=dev)
             plane_bytes = chunk * N * K * 4 / 8
             moved = plane_bytes + scratch.numel() * 2
+            if kind == "bcq":  # the CUDA kernel (cuda_dequant.py), what the prefill path runs for bcq on CUDA
+                for wpt in (1, 2, 4):
+                    us = time_us(lambda: dequantize_chunk_cuda(w, scratch, 0, words_per_thread=wpt))
+                    r = dict(model=model, kind=kind, kernel="cuda", words_per_thread=wpt, us=round(us, 1),
+                             TBps=round(moved / (us * 1e-6) / 1e12, 3), us_all_experts=round(us * E / chunk, 1))
+                    rows.append(r)
+                    print(r, flush=True)
             for bn in (32, 64, 128):
                 for bk in (64, 128):
                     for warps in (2, 4, 8):
@@ -61,22 +70,23 @@ def main() -> None:
                             break
 
                         def run():
-                            dequantize_chunk(w, scratch, 0, triton.language.bfloat16, bn, bk, True, num_warps=warps)
+                            dequantize_chunk(w, scratch, 0, triton.language.bfloat16, bn, bk, True, num_warps=warps,
+                                             kernel="triton")
                         try:
                             us = time_us(run)
-                            r = dict(model=model, kind=kind, bn=bn, bk=bk, warps=warps, us=round(us, 1),
+                            r = dict(model=model, kind=kind, kernel="triton", bn=bn, bk=bk, warps=warps, us=round(us, 1),
                                      TBps=round(moved / (us * 1e-6) / 1e12, 3),
                                      us_all_experts=round(us * E / chunk, 1))
                         except Exception as e:  # a shape the compiler refuses: keep going, say so
-                            r = dict(model=model, kind=kind, bn=bn, bk=bk, warps=warps, error=f"{type(e).__name__}: {e}"[:200])
+                            r = dict(model=model, kind=kind, kernel="triton", bn=bn, bk=bk, warps=warps, error=f"{type(e).__name__}: {e}"[:200])
                         rows.append(r)
                         print(r, flush=True)
     # what the prefill path launches: BN 64, 4 warps, BK = the widest dividing K and the group (128 here)
     doc = dict(gpu=torch.cuda.get_device_name(0), copy_TBps=round(copy_tbps, 3), chunk=a.chunk, bits=4,
-               current_default=dict(bn=64, bk=128, warps=4), rows=rows)
+               current_default=dict(bcq="cuda, 1 word per thread", kmeans=dict(bn=64, bk=128, warps=4)), rows=rows)
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
-    best = fastest(rows, ("model", "kind"))
+    best = fastest(rows, ("model", "kind", "kernel"))
     print("copy TB/s", doc["copy_TBps"], "best:", json.dumps({"/".join(k): v for k, v in best.items()}))
 
 

@@ -6,6 +6,7 @@
 #                                           # kernels: dense GEMMs on SGLang's kernel vs ours after dequantization
 #   bash benchmark/gpu_session.sh lut       # probes, no devicekit needed: activation-LUT GEMV (benchmark/lut_gemv_probe.py)
 #                                           # and the prefill dequantization alone (benchmark/dequant_sweep.py)
+#   bash benchmark/gpu_session.sh dequant   # kernel GPU tests + the prefill dequantization alone, CUDA vs Triton (no devicekit)
 #   bash benchmark/gpu_session.sh lutk      # CUDA LUT kernel: GPU tests + linear and MoE decode timings (no devicekit)
 #   bash benchmark/gpu_session.sh linear    # dense AP linear tests + benchmark/linear_bench.py (no devicekit needed)
 #   bash benchmark/gpu_session.sh serve     # server smoke test + bench_one_batch stock bf16 vs AP 4-bit experts vs
@@ -32,11 +33,23 @@ if [ "$stage" = tests ]; then
 fi
 
 if [ "$stage" = kernels ]; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_runtime_*.py tests/test_kernel_*.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
-  timeout 200 python3 benchmark/sglang_moe_baseline.py --out "$OUT/baseline.json" >"$OUT/baseline.log" 2>&1
+  # KERNEL_TESTS=0 skips the tests (when the dequant stage ran them on this commit); KB_MS sets the M values
+  if [ "${KERNEL_TESTS:-1}" != 0 ]; then
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_runtime_*.py tests/test_kernel_*.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
+  fi
+  ms="${KB_MS:-1,4,16,64,256,2048}"
+  timeout 200 python3 benchmark/sglang_moe_baseline.py --ms "$ms" --out "$OUT/baseline.json" >"$OUT/baseline.log" 2>&1
   tail -3 "$OUT/baseline.log"
-  timeout 300 python3 benchmark/kernel_bench.py --baseline-json "$OUT/baseline.json" --out "$OUT/kernel.json" \
-    --time-budget-s 240 2>&1 | tail -40 | tee "$OUT/kernel_bench.txt"
+  timeout "${KB_TIMEOUT:-330}" python3 benchmark/kernel_bench.py --baseline-json "$OUT/baseline.json" --ms "$ms" \
+    --out "$OUT/kernel.json" --time-budget-s "${KB_BUDGET:-270}" 2>&1 | tail -40 | tee "$OUT/kernel_bench.txt"
+fi
+
+if [ "$stage" = dequant ]; then
+  # no devicekit needed: GPU correctness of the kernels (the CUDA prefill dequantization, the MoE and linear paths
+  # that use it, the LUT kernel), then the dequantization alone (CUDA vs Triton) against the copy rate
+  timeout 330 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_dequant_cuda.py tests/test_kernel_moe.py \
+    tests/test_kernel_linear.py tests/test_kernel_lut.py 2>&1 | tail -15 | tee "$OUT/gpu_tests_dequant.txt"
+  timeout 150 python3 benchmark/dequant_sweep.py --out "$OUT/dequant_sweep.json" --budget-s 90 2>&1 | tail -3
 fi
 
 if [ "$stage" = prefill ]; then

@@ -325,6 +325,13 @@ def main() -> None:
                         variants.append(("tiles", dict(configs=(c13, c2)), c13, c2))
                     elif kind == "bcq" and c13.dequant_chunk == 0:
                         variants.append(("lut", dict(kernel="lut"), c13, c2))
+                    if c13.dequant_chunk == 0 and M >= 64:
+                        # below the prefill threshold, same run: the dequantize-then-GEMM path forced (where the
+                        # crossover DEQUANT_MIN_PAIRS_PER_EXPERT is read from)
+                        q13, q2 = default_moe_configs(M, topk, E, I, H, (H, w13.bcq_group), (I, w2.bcq_group),
+                                                      num_sms=props.multi_processor_count,
+                                                      dequant_min_pairs_per_expert=0)
+                        variants.append(("dequant", dict(configs=(q13, q2)), q13, q2))
                     if args.no_asm_case and case == "u4" and kind == "bcq":
                         variants.append(("noasm", dict(configs=(c13, c2), use_asm=False), c13, c2))
                     if c13.dequant_chunk > 0:
@@ -337,6 +344,14 @@ def main() -> None:
                                                       num_sms=props.multi_processor_count,
                                                       dequant_min_pairs_per_expert=float("inf"))
                         variants.append(("tiles", dict(configs=(t13, t2)), t13, t2))
+                        # the scratch rebuilt by the Triton dequantization instead of the CUDA one; and the
+                        # rebuild of chunk c + 1 overlapped with chunk c's GEMMs, at the same scratch bytes
+                        # (two buffers of half the chunk) and at twice them
+                        d13 = replace(c13, dequant_kernel="triton")
+                        variants.append(("dequant_triton", dict(configs=(d13, c2)), d13, c2))
+                        for name, ch in (("overlap", max(1, c13.dequant_chunk // 2)), ("overlap_2x", c13.dequant_chunk)):
+                            v13 = replace(c13, dequant_overlap=True, dequant_chunk=ch)
+                            variants.append((name, dict(configs=(v13, c2)), v13, c2))
                     for vname, kw, v13, v2 in variants:
                         rv = dict(r, variant=vname, cfg13=vars(v13), cfg2=vars(v2))
                         if vname == "lut" or (vname == "default" and r["default_kernel"] == "lut"):

@@ -30,6 +30,11 @@ class APKernelConfig:
     # SGLang picks (block_m then follows it). H200, M=2048 at 4 bits: equal on Mixtral (5.57 vs 5.48 ms),
     # ours 14% faster on Qwen1.5-MoE (1.64 vs 1.91 ms), so ours is the default (docs/results/kernel.md).
     dense_gemm: str = "triton"
+    # w13 config only, with dequant_chunk > 0: who rebuilds the scratch ("auto": the CUDA kernel for bcq planes
+    # on CUDA, Triton otherwise; triton_dequant_moe.dequantize_chunk), and whether chunk c + 1 is rebuilt on a
+    # side stream while chunk c's GEMMs run (two scratch buffers of dequant_chunk experts each)
+    dequant_kernel: str = "auto"
+    dequant_overlap: bool = False
 
     def launch_options(self, on_cuda: bool) -> dict:
         """Triton launch keywords (the interpreter takes no register cap)."""
@@ -47,6 +52,8 @@ class APKernelConfig:
             raise ValueError(f"block_k must be >= 32 (one plane word), got {self.block_k}")
         if self.dequant_chunk < 0:
             raise ValueError(f"dequant_chunk must be >= 0, got {self.dequant_chunk}")
+        if self.dequant_kernel not in ("auto", "cuda", "triton"):
+            raise ValueError(f"dequant_kernel must be 'auto', 'cuda' or 'triton', got {self.dequant_kernel!r}")
         if self.dense_gemm not in ("sglang", "triton"):
             raise ValueError(f"dense_gemm must be 'sglang' or 'triton', got {self.dense_gemm!r}")
         if self.split_k < 1:

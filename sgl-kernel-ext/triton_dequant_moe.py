@@ -3,7 +3,9 @@
 At prefill sizes the tile-rebuilding kernels redo the bit work once per block of tokens (16 times per
 expert at M=2048 on Mixtral), which costs more than the GEMM itself. Here every expert's weight is
 rebuilt exactly once per call into a scratch buffer (q planes read, 2 bytes written per weight), and
-the MoE runs as an ordinary grouped GEMM over that scratch. Experts go in chunks of `chunk` so the
+the MoE runs as an ordinary grouped GEMM over that scratch. The rebuild is cuda_dequant.py's kernel for bcq
+planes on CUDA and `_dequant_kernel` below otherwise (k-means tables, the interpreter); both write the same
+values. Experts go in chunks of `chunk` so the
 scratch stays bounded (chunk x N x K x 2 bytes per projection):
 
     for each chunk: dequantize w13 -> dense w13 GEMM -> h        (all chunks)
@@ -96,9 +98,19 @@ def _dense_moe_kernel(
 
 
 def dequantize_chunk(w, scratch: torch.Tensor, e0: int, cd_tl, bn: int, bk: int, use_asm: bool,
-                     num_warps: int = 4) -> None:
+                     num_warps: int = 4, kernel: str = "auto") -> None:
     """scratch[i] = dense W of expert e0 + i (tile column order) for the chunk's experts (benchmark/dequant_sweep.py
-    times the launch shapes)."""
+    times both kernels and the launch shapes). kernel: "cuda" (cuda_dequant.py: bcq planes on CUDA, whole
+    plane words per thread), "triton" (every table kind, the interpreter), "auto" = "cuda" where it can run. Both
+    write identical values; bn/bk/num_warps shape only the Triton launch."""
+    if kernel not in ("auto", "cuda", "triton"):
+        raise ValueError(f"kernel must be 'auto', 'cuda' or 'triton', got {kernel!r}")
+    if kernel != "triton":
+        from pagedweight.kernels.cuda_dequant import cuda_dequant_unsupported, dequantize_chunk_cuda
+
+        if kernel == "cuda" or cuda_dequant_unsupported(w, scratch) is None:
+            dequantize_chunk_cuda(w, scratch, e0)  # raises naming the reason when kernel="cuda" cannot run
+            return
     chunk = scratch.shape[0]
     grid = (chunk, triton.cdiv(w.N, bn), w.K // bk)
     _dequant_kernel[grid](

@@ -289,6 +289,52 @@ def _check_bk(w: APMoEWeights, bk: int, name: str) -> None:
         raise ValueError(f"{name}: BK={bk} must divide K={w.K}" + (f" and group_size={w.group_size}" if w.table_kind == "bcq" else ""))
 
 
+class _ScratchPipeline:
+    """Rebuild chunk after chunk of experts into a scratch, each chunk consumed by GEMMs on the current stream.
+
+    Without overlap: one scratch, rebuild and GEMMs alternate on the current stream. With overlap (CUDA, more
+    than one chunk): two scratch buffers; chunk c + 1 is rebuilt on a side stream while chunk c's GEMMs run
+    (the rebuild streams planes from HBM, the GEMMs are tensor-core bound, so they share the GPU well). Events
+    order every rebuild after the GEMMs that last read its buffer and every GEMM after its rebuild."""
+
+    def __init__(self, w: APMoEWeights, chunk: int, cd: torch.dtype, device: torch.device, overlap: bool) -> None:
+        self.w, self.chunk = w, chunk
+        self.overlap = overlap and device.type == "cuda" and w.num_experts > chunk
+        self.buffers = [torch.empty(chunk, w.N, w.K, dtype=cd, device=device) for _ in range(2 if self.overlap else 1)]
+
+    def run(self, rebuild, consume) -> None:
+        """rebuild(scratch, e0) fills a buffer with experts e0.. ; consume(scratch, e0) launches its GEMMs."""
+        starts = list(range(0, self.w.num_experts, self.chunk))
+        if not self.overlap:
+            for e0 in starts:
+                rebuild(self.buffers[0], e0)
+                consume(self.buffers[0], e0)
+            return
+        main = torch.cuda.current_stream()
+        side = torch.cuda.Stream(device=main.device)
+        side.wait_stream(main)  # page-table rewrites and inputs enqueued before this call
+        ready = [torch.cuda.Event() for _ in starts]
+        freed = [torch.cuda.Event() for _ in starts]
+        for buf in self.buffers:
+            buf.record_stream(side)
+
+        def launch_rebuild(i: int) -> None:
+            with torch.cuda.stream(side):
+                if i >= 2:
+                    side.wait_event(freed[i - 2])  # the GEMMs of chunk i - 2 read this buffer
+                rebuild(self.buffers[i % 2], starts[i])
+                ready[i].record(side)
+
+        launch_rebuild(0)
+        for i, e0 in enumerate(starts):
+            if i + 1 < len(starts):
+                launch_rebuild(i + 1)
+            main.wait_event(ready[i])
+            consume(self.buffers[i % 2], e0)
+            freed[i].record(main)
+        main.wait_stream(side)
+
+
 def _dequantized_moe(x, act, out, w13, w2, tw, topk_ids, align, cfg13, cfg2, num_pairs, topk, kind2, *,
                      apply_router_weight_on_input, use_asm, cd, sglang_configs) -> None:
     """Prefill path (triton_dequant_moe.py): experts dequantized once per call in chunks, dense GEMMs
@@ -300,9 +346,9 @@ def _dequantized_moe(x, act, out, w13, w2, tw, topk_ids, align, cfg13, cfg2, num
     dot_f32 = not x.is_cuda
     cd_tl = _TL_DTYPE[cd]
     use_sglang = cfg13.dense_gemm == "sglang"
-    # The scratch's column order does not depend on the block width, so the dequantization takes its own:
-    # the widest that divides K and the group (H200, Mixtral w13 at 4 bits: 412 us per 2 experts at 128 wide
-    # vs 633 us at 64; benchmark/dequant_sweep.py, docs/results/kernel.md)
+    # The scratch's column order does not depend on the block width, so the Triton dequantization takes its
+    # own: the widest that divides K and the group (H200, Mixtral w13 at 4 bits: 412 us per 2 experts at 128
+    # wide vs 633 us at 64; benchmark/dequant_sweep.py, docs/results/kernel.md)
     bk13 = largest_block_k(w13.K, w13.bcq_group)
     bk2 = largest_block_k(w2.K, w2.bcq_group)
     if use_sglang:
@@ -312,9 +358,8 @@ def _dequantized_moe(x, act, out, w13, w2, tw, topk_ids, align, cfg13, cfg2, num
             raise ValueError("dense_gemm='sglang' needs sglang_configs; ap_fused_moe looks them up and aligns to them")
         tw2d = tw.view(-1, topk)
     h13 = torch.empty(num_pairs, 2 * inter, dtype=cd, device=x.device)
-    s13 = torch.empty(chunk, w13.N, w13.K, dtype=cd, device=x.device)
-    for e0 in range(0, w13.num_experts, chunk):
-        dequantize_chunk(w13, s13, e0, cd_tl, 64, bk13, use_asm)
+
+    def gemm13(s13, e0):
         # router weight on the input: W13 (w x) = w (W13 x), so it scales h before silu
         if use_sglang:
             sglang_moe_chunk(x, h13, s13, tw2d, topk_ids, align, e0, w13.num_experts, rows_per_a=topk,
@@ -323,15 +368,16 @@ def _dequantized_moe(x, act, out, w13, w2, tw, topk_ids, align, cfg13, cfg2, num
             dense_moe_chunk(x, h13, s13, tw, align, e0, num_pairs, topk, by_token=True,
                             route_w=apply_router_weight_on_input, atomic_out=False, cfg=cfg13, cd_tl=cd_tl,
                             dot_f32=dot_f32)
-    del s13
+
+    _ScratchPipeline(w13, chunk, cd, x.device, cfg13.dequant_overlap).run(
+        lambda s, e0: dequantize_chunk(w13, s, e0, cd_tl, 64, bk13, use_asm, kernel=cfg13.dequant_kernel), gemm13)
     _silu_mul_kernel[(num_pairs, triton.cdiv(inter, 1024))](
         h13, act, inter, h13.stride(0), act.stride(0), KIND2=kind2, BLOCK=1024, num_warps=4,
     )
     # SGLang's kernel stores one row per (token, slot) pair; the top-k slots are summed afterwards
     h2 = torch.empty(num_pairs, w2.N, dtype=cd, device=x.device) if use_sglang else None
-    s2 = torch.empty(chunk, w2.N, w2.K, dtype=cd, device=x.device)
-    for e0 in range(0, w2.num_experts, chunk):
-        dequantize_chunk(w2, s2, e0, cd_tl, 64, bk2, use_asm)
+
+    def gemm2(s2, e0):
         if use_sglang:
             sglang_moe_chunk(act, h2, s2, tw2d, topk_ids, align, e0, w2.num_experts, rows_per_a=1,
                              mul_routed_weight=not apply_router_weight_on_input, config=sglang_configs.down)
@@ -339,6 +385,9 @@ def _dequantized_moe(x, act, out, w13, w2, tw, topk_ids, align, cfg13, cfg2, num
             dense_moe_chunk(act, out, s2, tw, align, e0, num_pairs, topk, by_token=False,
                             route_w=not apply_router_weight_on_input, atomic_out=True, cfg=cfg2, cd_tl=cd_tl,
                             dot_f32=dot_f32)
+
+    _ScratchPipeline(w2, chunk, cd, x.device, cfg13.dequant_overlap).run(
+        lambda s, e0: dequantize_chunk(w2, s, e0, cd_tl, 64, bk2, use_asm, kernel=cfg13.dequant_kernel), gemm2)
     if use_sglang:
         out += h2.view(-1, topk, w2.N).sum(dim=1, dtype=torch.float32)
 

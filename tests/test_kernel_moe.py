@@ -147,6 +147,30 @@ def test_dequantize_then_dense_prefill_path(kind, chunk, apply_w_in, dense_gemm)
 
 
 @needs_kernel_device
+@pytest.mark.parametrize("dequant_kernel,overlap,chunk", [("triton", False, 2), ("auto", True, 1), ("auto", True, 2),
+                                                          ("triton", True, 1)])
+def test_prefill_rebuild_kernels_and_overlap(dequant_kernel, overlap, chunk):
+    """The scratch rebuilt by either dequantization kernel, chunk c + 1 on a side stream while chunk c's GEMMs
+    run (CUDA; on CPU the flag is a no-op): same answer as the reference, bcq with mixed bits per expert."""
+    p13, p2 = make_layer(5, [4, 2, 8, 3, 6], [3, 8, 5, 2, 7], "bcq")
+    dev = KERNEL_DEVICE
+    x = torch.randn(37, H, generator=torch.Generator().manual_seed(8)).half().to(dev)
+    tw, ids = routing(37, 5, 2, "random", 8)
+    tw, ids = tw.to(dev), ids.to(dev)
+    cfg = (APKernelConfig(block_m=32, block_n=32, block_k=32, num_warps=2, dequant_chunk=chunk,
+                          dequant_kernel=dequant_kernel, dequant_overlap=overlap),
+           APKernelConfig(block_m=32, block_n=32, block_k=32, num_warps=2))
+    out = ap_fused_moe(x, tw, ids, p13.weights, p2.weights, backend="triton", configs=cfg)
+    ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
+    assert rel_err(out, ref) < tolerance(torch.float16)
+
+
+def test_dequant_kernel_choice_is_validated():
+    with pytest.raises(ValueError, match="dequant_kernel"):
+        APKernelConfig(dequant_chunk=1, dequant_kernel="fast")
+
+
+@needs_kernel_device
 def test_default_config_switches_to_dequantize_at_prefill_sizes():
     from pagedweight.kernels.config import default_moe_configs
 

@@ -1,0 +1,76 @@
+"""Prefill dequantization of bcq planes into a dense scratch with a CUDA kernel (cuda_bcq_dequant.cu, NVRTC).
+
+The prefill path (triton_dequant_moe.py) costs "rebuild every expert once + dense GEMM"; the rebuild is a
+stream (q planes read, 2 bytes per weight written) that the Triton tile dequantization ran at ~1.4 TB/s.
+This kernel gives each thread whole 32-bit plane words, so warps read full lines and write 2 KB runs. It
+writes exactly what the Triton dequantization writes (same column order, same packed adds), so either can
+fill the scratch; `dequantize_chunk(kernel="auto")` takes this one where it can run (CUDA, bcq, K and the
+group a multiple of 32) and the Triton one otherwise (k-means tables, the interpreter, CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from pagedweight.kernels.weights import APMoEWeights
+
+NTHREADS = 256
+WORDS_PER_THREAD = 1  # consecutive 32-bit plane words per thread (benchmark/dequant_sweep.py times 1, 2, 4)
+_SOURCE = Path(__file__).with_name("cuda_bcq_dequant.cu")
+_CD = {torch.bfloat16: 0, torch.float16: 1}
+
+
+def cuda_dequant_unsupported(w: APMoEWeights, scratch: torch.Tensor) -> str | None:
+    """Why the CUDA dequantization cannot fill `scratch` from `w` (None when it can)."""
+    if w.table_kind != "bcq":
+        return f"table kind {w.table_kind!r} (the CUDA dequantization reads binary-coded planes only)"
+    if w.K % 32 or w.group_size % 32:
+        return f"K={w.K} and the bcq group size {w.group_size} must be multiples of 32"
+    if scratch.dtype not in _CD:
+        return f"scratch dtype {scratch.dtype} (bf16 or fp16 only)"
+    if not (w.page_table.is_cuda and scratch.is_cuda):
+        return "the page table and the scratch must be on a CUDA device"
+    if not scratch.is_contiguous() or tuple(scratch.shape[1:]) != (w.N, w.K) or scratch.data_ptr() % 16:
+        return f"scratch must be a contiguous, 16-byte aligned [chunk, {w.N}, {w.K}] tensor"
+    return None
+
+
+def kernel_defines(scratch_dtype: torch.dtype, bits_max: int, words_per_thread: int) -> list[str]:
+    return [f"-DCD={_CD[scratch_dtype]}", f"-DPMAX={bits_max}", f"-DWPT={words_per_thread}"]
+
+
+def compile_to_cubin(defines: list[str], compute_capability: str) -> bytes:
+    """NVRTC compile of the kernel source (no device needed): the CI check that every variant builds."""
+    from torch.cuda._utils import _nvrtc_compile
+
+    cubin, _ = _nvrtc_compile(_SOURCE.read_text(), "ap_bcq_dequant", compute_capability, nvcc_options=defines)
+    return cubin
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(scratch_dtype: torch.dtype, bits_max: int, words_per_thread: int, device_index: int):
+    """The compiled kernel for one variant on one device (compiled once per process)."""
+    with torch.cuda.device(device_index):
+        return torch.cuda._compile_kernel(
+            _SOURCE.read_text(), "ap_bcq_dequant", nvcc_options=kernel_defines(scratch_dtype, bits_max, words_per_thread)
+        )
+
+
+def dequantize_chunk_cuda(w: APMoEWeights, scratch: torch.Tensor, e0: int,
+                          words_per_thread: int = WORDS_PER_THREAD) -> None:
+    """scratch[i] = dense W of expert e0 + i in tile column order (experts past the last are skipped)."""
+    why = cuda_dequant_unsupported(w, scratch)
+    if why is not None:
+        raise ValueError(f"the CUDA dequantization cannot run: {why}")
+    words = w.N * (w.K // 32)
+    if words % words_per_thread:
+        raise ValueError(f"words_per_thread={words_per_thread} must divide the {words} plane words per expert")
+    kernel = _kernel(scratch.dtype, w.bits_max, words_per_thread, scratch.device.index or 0)
+    threads = words // words_per_thread
+    kernel(
+        grid=(-(-threads // NTHREADS), scratch.shape[0], 1), block=(NTHREADS, 1, 1),
+        args=[w.page_table, scratch, e0, w.num_experts, w.N, w.K, w.group_size, w.page_table.stride(0)],
+    )
