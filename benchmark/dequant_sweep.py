@@ -2,7 +2,7 @@
 
 The prefill path costs "dequantize every expert once + the bf16 GEMM"; this isolates the first part and
 compares it with the copy rate it could reach (bytes = planes and tables read + 2 bytes per weight
-written), for the CUDA kernel (bcq, words per thread 1/2/4) and the Triton one (both kinds, block shapes).
+written), for the CUDA kernel (bcq) and the Triton one (both kinds, block shapes).
 Needs only torch + Triton on a CUDA GPU (no SGLang):
 
     python benchmark/dequant_sweep.py --out out/dequant_sweep.json
@@ -25,15 +25,16 @@ SHAPES = {"mixtral": (8, 2 * 14336, 4096), "qwen15moe": (60, 2 * 1408, 2048)}  #
 
 
 def time_us(fn, reps: int = 20) -> float:
+    """Median GPU microseconds of one call, replayed from a CUDA graph (an eager launch through torch's NVRTC
+    launcher costs tens of microseconds of Python, which would otherwise be timed as idle GPU)."""
     fn()
     torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in ev:
-        a.record()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         fn()
-        b.record()
+    graph.replay()
     torch.cuda.synchronize()
-    return sorted(a.elapsed_time(b) for a, b in ev)[reps // 2] * 1e3
+    return replay_median_us(graph, reps)
 
 
 def main() -> None:
@@ -57,12 +58,11 @@ def main() -> None:
             plane_bytes = chunk * N * K * 4 / 8
             moved = plane_bytes + scratch.numel() * 2
             if kind == "bcq":  # the CUDA kernel (cuda_dequant.py), what the prefill path runs for bcq on CUDA
-                for wpt in (1, 2, 4):
-                    us = time_us(lambda: dequantize_chunk_cuda(w, scratch, 0, words_per_thread=wpt))
-                    r = dict(model=model, kind=kind, kernel="cuda", words_per_thread=wpt, us=round(us, 1),
-                             TBps=round(moved / (us * 1e-6) / 1e12, 3), us_all_experts=round(us * E / chunk, 1))
-                    rows.append(r)
-                    print(r, flush=True)
+                us = time_us(lambda: dequantize_chunk_cuda(w, scratch, 0))
+                r = dict(model=model, kind=kind, kernel="cuda", us=round(us, 1),
+                         TBps=round(moved / (us * 1e-6) / 1e12, 3), us_all_experts=round(us * E / chunk, 1))
+                rows.append(r)
+                print(r, flush=True)
             for bn in (32, 64, 128):
                 for bk in (64, 128):
                     for warps in (2, 4, 8):
@@ -83,7 +83,7 @@ def main() -> None:
                         print(r, flush=True)
     # what the prefill path launches: BN 64, 4 warps, BK = the widest dividing K and the group (128 here)
     doc = dict(gpu=torch.cuda.get_device_name(0), copy_TBps=round(copy_tbps, 3), chunk=a.chunk, bits=4,
-               current_default=dict(bcq="cuda, 1 word per thread", kmeans=dict(bn=64, bk=128, warps=4)), rows=rows)
+               current_default=dict(bcq="cuda", kmeans=dict(bn=64, bk=128, warps=4)), rows=rows)
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
     best = fastest(rows, ("model", "kind", "kernel"))

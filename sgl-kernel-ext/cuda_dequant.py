@@ -2,7 +2,8 @@
 
 The prefill path (triton_dequant_moe.py) costs "rebuild every expert once + dense GEMM"; the rebuild is a
 stream (q planes read, 2 bytes per weight written) that the Triton tile dequantization ran at ~1.4 TB/s.
-This kernel gives each thread whole 32-bit plane words, so warps read full lines and write 2 KB runs. It
+This kernel is a flat stream: four threads per 32-bit plane word, each writing one 16-byte quarter of its
+32 weights, so warps read whole sectors of every plane and write 512 contiguous bytes per store. It
 writes exactly what the Triton dequantization writes (same column order, same packed adds), so either can
 fill the scratch; `dequantize_chunk(kernel="auto")` takes this one where it can run (CUDA, bcq, K and the
 group a multiple of 32) and the Triton one otherwise (k-means tables, the interpreter, CPU).
@@ -18,7 +19,7 @@ import torch
 from pagedweight.kernels.weights import APMoEWeights
 
 NTHREADS = 256
-WORDS_PER_THREAD = 1  # consecutive 32-bit plane words per thread (benchmark/dequant_sweep.py times 1, 2, 4)
+THREADS_PER_WORD = 4
 _SOURCE = Path(__file__).with_name("cuda_bcq_dequant.cu")
 _CD = {torch.bfloat16: 0, torch.float16: 1}
 
@@ -38,8 +39,8 @@ def cuda_dequant_unsupported(w: APMoEWeights, scratch: torch.Tensor) -> str | No
     return None
 
 
-def kernel_defines(scratch_dtype: torch.dtype, bits_max: int, words_per_thread: int) -> list[str]:
-    return [f"-DCD={_CD[scratch_dtype]}", f"-DPMAX={bits_max}", f"-DWPT={words_per_thread}"]
+def kernel_defines(scratch_dtype: torch.dtype, bits_max: int) -> list[str]:
+    return [f"-DCD={_CD[scratch_dtype]}", f"-DPMAX={bits_max}"]
 
 
 def compile_to_cubin(defines: list[str], compute_capability: str) -> bytes:
@@ -51,25 +52,21 @@ def compile_to_cubin(defines: list[str], compute_capability: str) -> bytes:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(scratch_dtype: torch.dtype, bits_max: int, words_per_thread: int, device_index: int):
+def _kernel(scratch_dtype: torch.dtype, bits_max: int, device_index: int):
     """The compiled kernel for one variant on one device (compiled once per process)."""
     with torch.cuda.device(device_index):
         return torch.cuda._compile_kernel(
-            _SOURCE.read_text(), "ap_bcq_dequant", nvcc_options=kernel_defines(scratch_dtype, bits_max, words_per_thread)
+            _SOURCE.read_text(), "ap_bcq_dequant", nvcc_options=kernel_defines(scratch_dtype, bits_max)
         )
 
 
-def dequantize_chunk_cuda(w: APMoEWeights, scratch: torch.Tensor, e0: int,
-                          words_per_thread: int = WORDS_PER_THREAD) -> None:
+def dequantize_chunk_cuda(w: APMoEWeights, scratch: torch.Tensor, e0: int) -> None:
     """scratch[i] = dense W of expert e0 + i in tile column order (experts past the last are skipped)."""
     why = cuda_dequant_unsupported(w, scratch)
     if why is not None:
         raise ValueError(f"the CUDA dequantization cannot run: {why}")
-    words = w.N * (w.K // 32)
-    if words % words_per_thread:
-        raise ValueError(f"words_per_thread={words_per_thread} must divide the {words} plane words per expert")
-    kernel = _kernel(scratch.dtype, w.bits_max, words_per_thread, scratch.device.index or 0)
-    threads = words // words_per_thread
+    kernel = _kernel(scratch.dtype, w.bits_max, scratch.device.index or 0)
+    threads = w.N * (w.K // 32) * THREADS_PER_WORD
     kernel(
         grid=(-(-threads // NTHREADS), scratch.shape[0], 1), block=(NTHREADS, 1, 1),
         args=[w.page_table, scratch, e0, w.num_experts, w.N, w.K, w.group_size, w.page_table.stride(0)],
