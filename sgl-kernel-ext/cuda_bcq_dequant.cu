@@ -9,13 +9,14 @@
 //
 // Why a CUDA kernel: the prefill path is "dequantize every expert once + dense GEMM", and the Triton
 // dequantization (64 x 128 tiles, 16-byte plane reads per row) reaches ~1.4 TB/s on the H200. Here the
-// kernel is a flat stream: consecutive threads own consecutive quarters of consecutive 32-bit plane words,
-// so each warp reads whole sectors of every plane and writes 512 contiguous bytes per store instruction
-// (one word per thread, with 64-byte strided stores, ran at 1.9 TB/s). Per pair of weights and plane the
-// work is one shift, one LOP3 (flip the packed scale's signs where the bit is 0) and one packed add.
+// kernel is a flat stream: consecutive threads own consecutive 32-bit plane words (a warp reads 128
+// contiguous bytes of every plane), and each warp's 2 KB of output goes through shared memory so every
+// store instruction writes 512 contiguous bytes (64-byte strided stores straight from registers ran at
+// 1.9 TB/s). Per pair of weights and plane the work is one shift, one LOP3 (flip the packed scale's signs
+// where the bit is 0) and one packed add; index math is 32-bit (64-bit division was a measurable cost).
 //
-// One thread: 8 weights (4 packed pairs) of one 32-bit word of one row of one expert of the chunk.
-// grid.x: ceil(4 * N * K / 32 / NTHREADS), grid.y: experts of the chunk (e = e0 + blockIdx.y).
+// One thread: the 32 weights of one plane word of one row of one expert of the chunk.
+// grid.x: ceil(N * K / 32 / NTHREADS), grid.y: experts of the chunk (e = e0 + blockIdx.y).
 // CD: 0 bf16, 1 fp16 (scratch dtype; the fp16 tables are converted with round-to-nearest).
 
 #ifndef CD
@@ -56,45 +57,60 @@ __device__ __forceinline__ u32 pack2(u16 h) {
 extern "C" __global__ void __launch_bounds__(NTHREADS) ap_bcq_dequant(
     const long long* __restrict__ page_table, u32* __restrict__ scratch, int e0, int num_experts, int N, int K,
     int G, int pt_stride) {  // ints: torch's launcher passes Python ints as C int
+    __shared__ uint4 stage[NTHREADS * 4];  // each warp's 32 x 64 output bytes, transposed for the stores
     const int e = e0 + (int)blockIdx.y;
-    if (e >= num_experts) return;
-    const int words_per_row = K >> 5;
-    const long long words = (long long)N * words_per_row;
-    const long long t = (long long)blockIdx.x * NTHREADS + threadIdx.x;
-    const long long word = t >> 2;  // four threads per plane word, one 16-byte quarter of its output each
-    if (word >= words) return;
-    const int s0 = ((int)t & 3) * 4;  // the thread's pairs: inputs (s, s + 16) for s in s0 .. s0 + 3
+    if (e >= num_experts) return;  // uniform over the block
+    const unsigned words_per_row = (unsigned)K >> 5;
+    const unsigned words = (unsigned)N * words_per_row;  // < 2^31 (the launcher checks)
+    const unsigned lane = threadIdx.x & 31;
+    const unsigned warp_first = blockIdx.x * NTHREADS + (threadIdx.x & ~31u);
+    const unsigned word = warp_first + lane;
+    const bool valid = word < words;  // no early exit: the whole warp takes part in the transposed stores
 
     const long long* row = page_table + (long long)e * pt_stride;
     const int q = (int)row[0];
     const u16* table = (const u16*)row[1];  // fp16 [q + 1, N, K / G]
-    const long long groups = K / G;
-    const long long plane_stride = (long long)N * groups;
-    const long long n = word / words_per_row;
-    const long long gi = n * groups + ((word - n * words_per_row) * 32) / G;
+    const unsigned groups = (unsigned)K / (unsigned)G;
+    const unsigned n = word / words_per_row;
+    const unsigned gi = n * groups + (word - n * words_per_row) / ((unsigned)G >> 5);
+    const unsigned plane_stride = (unsigned)N * groups;
 
-    // the four threads of a word load the same addresses (one transaction); a warp covers 8 words = one
-    // 32-byte sector per plane and stores 512 contiguous bytes
     u32 w[PMAX];
     u32 a[PMAX];
+    u32 off = 0;
 #pragma unroll
     for (int p = 0; p < PMAX; ++p) {
-        if (p < q) {
-            w[p] = __ldg((const u32*)row[2 + p] + word) >> s0;
+        w[p] = 0;
+        a[p] = 0;
+        if (valid && p < q) {
+            w[p] = __ldg((const u32*)row[2 + p] + word);
             a[p] = pack2(__ldg(table + p * plane_stride + gi));
         }
     }
-    const u32 off = pack2(__ldg(table + (long long)q * plane_stride + gi));
-    u32 out[4];
+    if (valid) off = pack2(__ldg(table + (unsigned)q * plane_stride + gi));
+    u32 out[16];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        // bits s0 + i and s0 + i + 16 of each word -> the sign positions 15 and 31 of the packed pair
+    for (int s = 0; s < 16; ++s) {
+        // bits s and s + 16 of each word -> the sign positions 15 and 31 of the packed pair
         u32 acc = off;
 #pragma unroll
         for (int p = 0; p < PMAX; ++p) {
-            if (p < q) acc = add2(acc, a[p] ^ (~(w[p] << (15 - i)) & 0x80008000u));
+            if (p < q) acc = add2(acc, a[p] ^ (~(w[p] << (15 - s)) & 0x80008000u));
         }
-        out[i] = acc;
+        out[s] = acc;
     }
-    *(uint4*)(scratch + ((long long)blockIdx.y * words + word) * 16 + s0) = make_uint4(out[0], out[1], out[2], out[3]);
+    // Stage the lane's four 16-byte quarters (slot rotated by lane / 2: conflict-free in both directions),
+    // then each store instruction writes 512 contiguous bytes of the warp's 2 KB run.
+    uint4* mine = stage + (threadIdx.x & ~31u) * 4;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+        mine[lane * 4 + ((j + (lane >> 1)) & 3)] = make_uint4(out[4 * j], out[4 * j + 1], out[4 * j + 2], out[4 * j + 3]);
+    __syncwarp();
+    uint4* dst = (uint4*)(scratch + ((long long)blockIdx.y * words + warp_first) * 16);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const unsigned m = r * 32 + lane;  // quarter m of the run: word m / 4, quarter m % 4
+        const unsigned src = m >> 2;
+        if (warp_first + src < words) dst[m] = mine[src * 4 + (((m & 3) + (src >> 1)) & 3)];
+    }
 }

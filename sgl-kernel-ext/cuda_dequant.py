@@ -2,8 +2,8 @@
 
 The prefill path (triton_dequant_moe.py) costs "rebuild every expert once + dense GEMM"; the rebuild is a
 stream (q planes read, 2 bytes per weight written) that the Triton tile dequantization ran at ~1.4 TB/s.
-This kernel is a flat stream: four threads per 32-bit plane word, each writing one 16-byte quarter of its
-32 weights, so warps read whole sectors of every plane and write 512 contiguous bytes per store. It
+This kernel is a flat stream: one thread per 32-bit plane word (warps read 128 contiguous bytes of every
+plane), each warp's output staged through shared memory so every store writes 512 contiguous bytes. It
 writes exactly what the Triton dequantization writes (same column order, same packed adds), so either can
 fill the scratch; `dequantize_chunk(kernel="auto")` takes this one where it can run (CUDA, bcq, K and the
 group a multiple of 32) and the Triton one otherwise (k-means tables, the interpreter, CPU).
@@ -19,7 +19,6 @@ import torch
 from pagedweight.kernels.weights import APMoEWeights
 
 NTHREADS = 256
-THREADS_PER_WORD = 4
 _SOURCE = Path(__file__).with_name("cuda_bcq_dequant.cu")
 _CD = {torch.bfloat16: 0, torch.float16: 1}
 
@@ -65,9 +64,11 @@ def dequantize_chunk_cuda(w: APMoEWeights, scratch: torch.Tensor, e0: int) -> No
     why = cuda_dequant_unsupported(w, scratch)
     if why is not None:
         raise ValueError(f"the CUDA dequantization cannot run: {why}")
+    words = w.N * (w.K // 32)
+    if words * 16 >= 2**31:  # the kernel's 32-bit index math (16 output words per plane word)
+        raise ValueError(f"the CUDA dequantization indexes an expert with 32-bit ints: N={w.N} x K={w.K} is too large")
     kernel = _kernel(scratch.dtype, w.bits_max, scratch.device.index or 0)
-    threads = w.N * (w.K // 32) * THREADS_PER_WORD
     kernel(
-        grid=(-(-threads // NTHREADS), scratch.shape[0], 1), block=(NTHREADS, 1, 1),
+        grid=(-(-words // NTHREADS), scratch.shape[0], 1), block=(NTHREADS, 1, 1),
         args=[w.page_table, scratch, e0, w.num_experts, w.N, w.K, w.group_size, w.page_table.stride(0)],
     )
