@@ -92,10 +92,11 @@ def split_k_for(blocks: int, k_tiles: int, num_sms: int, per_sm: int = 2) -> int
 
 # Dequantize-then-GEMM once an expert has this many (token, slot) pairs on average, with the per-projection
 # scratch of a chunk of experts capped at this many bytes. The dequantization is a fixed cost per call (every
-# expert rebuilt once); the tile kernels rebuild every weight once per block of tokens instead. H200, Mixtral
-# at 4 bits (docs/results/kernel.md): 64 pairs per expert (M=256) tiles 2.8 ms vs dequantize+GEMM 4.4 ms;
-# 128 (M=512) tiles 4.3 ms vs 3.7 ms. The kernel benchmark times both paths at prefill sizes.
-DEQUANT_MIN_PAIRS_PER_EXPERT = 128
+# expert rebuilt once); the tile kernels rebuild every weight once per block of tokens instead. H200, 4 bits,
+# both paths timed in one run (docs/results/kernel.md, session 7, CUDA dequantization): Mixtral 16 pairs per
+# expert (M=64) tiles 1.29 ms vs 2.20 ms, 64 (M=256) tiles 2.81 ms vs 2.37 ms; Qwen1.5-MoE 34 pairs (M=512)
+# tiles 0.67 ms vs 0.88 ms, 136 (M=2048) tiles 1.99 ms vs 1.32 ms. With the Triton rebuild the crossover was 128.
+DEQUANT_MIN_PAIRS_PER_EXPERT = 64
 DEQUANT_SCRATCH_BYTES = 512 * 2**20
 
 
