@@ -102,8 +102,11 @@ def default_lut_config(active_blocks_m: int, block_m: int, n: int, k: int, num_s
     return LUTConfig(block_m=block_m, n_per_block=nb, k_per_split=kc)
 
 
-def kernel_defines(mode: int, x_dtype: torch.dtype, block_m: int, bits_max: int, group_size: int) -> list[str]:
-    return [f"-DMODE={mode}", f"-DXT={_XT[x_dtype]}", f"-DBM={block_m}", f"-DPMAX={bits_max}", f"-DG={group_size}"]
+def kernel_defines(mode: int, x_dtype: torch.dtype, block_m: int, bits_max: int, group_size: int,
+                   direct: bool = False) -> list[str]:
+    """direct: one pair per block in routing order, its expert read from topk_ids (MoE modes, block_m 1)."""
+    return [f"-DMODE={mode}", f"-DXT={_XT[x_dtype]}", f"-DBM={block_m}", f"-DPMAX={bits_max}", f"-DG={group_size}",
+            f"-DDIRECT={int(direct)}"]
 
 
 def compile_to_cubin(defines: list[str], compute_capability: str) -> bytes:
@@ -115,21 +118,22 @@ def compile_to_cubin(defines: list[str], compute_capability: str) -> bytes:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(mode: int, x_dtype: torch.dtype, block_m: int, bits_max: int, group_size: int, device_index: int):
+def _kernel(mode: int, x_dtype: torch.dtype, block_m: int, bits_max: int, group_size: int, direct: bool,
+            device_index: int):
     """The compiled kernel for one variant on one device (compiled once per process, ~1 s)."""
     with torch.cuda.device(device_index):
         return torch.cuda._compile_kernel(
             _SOURCE.read_text(), "ap_lut_gemv",
-            nvcc_options=kernel_defines(mode, x_dtype, block_m, bits_max, group_size),
+            nvcc_options=kernel_defines(mode, x_dtype, block_m, bits_max, group_size, direct),
         )
 
 
 def _launch(mode: int, x: torch.Tensor, out: torch.Tensor, w: APMoEWeights, cfg: LUTConfig, grid_m: int,
             *, topk_weights=None, sorted_ids=None, expert_ids=None, post_pad=None, num_pairs: int, topk: int,
-            row_index: int = 0, apply_w_in: bool = False) -> None:
+            row_index: int = 0, apply_w_in: bool = False, direct: bool = False) -> None:
     if x.data_ptr() % 16:  # the kernel reads 4 activations per vector load
         x = x.clone()
-    kernel = _kernel(mode, x.dtype, cfg.block_m, w.bits_max, w.group_size, x.device.index or 0)
+    kernel = _kernel(mode, x.dtype, cfg.block_m, w.bits_max, w.group_size, direct, x.device.index or 0)
     smem = cfg.shared_bytes()
     if smem > kernel._max_shared_mem_bytes:
         kernel.set_shared_memory_config(smem)
@@ -144,7 +148,7 @@ def _launch(mode: int, x: torch.Tensor, out: torch.Tensor, w: APMoEWeights, cfg:
             expert_ids if expert_ids is not None else dummy,
             post_pad if post_pad is not None else dummy,
             num_pairs, topk, w.N, w.K, x.stride(0), out.stride(0), w.page_table.stride(0),
-            cfg.k_per_split, cfg.n_per_block, row_index, int(apply_w_in),
+            cfg.k_per_split, cfg.n_per_block, row_index, int(apply_w_in), w.num_experts,
         ],
     )
 
@@ -153,8 +157,10 @@ def ap_fused_moe_lut(
     hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: APMoEWeights, w2: APMoEWeights,
     *, apply_router_weight_on_input: bool = False, configs: tuple[LUTConfig, LUTConfig] | None = None,
 ) -> torch.Tensor:
-    """gate/up -> silu * up -> down with routing weights, over the page tables (three launches: the
-    alignment, w13 into a float32 h, w2 with silu applied while its tables are built)."""
+    """gate/up -> silu * up -> down with routing weights, over the page tables: w13 into a float32 h, then w2
+    with silu applied while its tables are built, after the token/expert alignment. At one pair per block
+    (block_m 1, the M=1 decode case) the kernels take the pairs in routing order with their experts read
+    from topk_ids, so no alignment is launched; h and the output share one zeroed buffer (one memset)."""
     require_lut("w13", w13)
     require_lut("w2", w2)
     m, topk = topk_ids.shape
@@ -164,16 +170,22 @@ def ap_fused_moe_lut(
     bm = configs[0].block_m
     if configs[1].block_m != bm:
         raise ValueError("w13 and w2 LUT configs must share block_m (one alignment)")
-    align = moe_align_block_size(topk_ids, bm, w13.num_experts)
     x = hidden.contiguous()
     tw = topk_weights.contiguous().float()
-    h = torch.zeros(num_pairs, w13.N, dtype=torch.float32, device=x.device)
-    common = dict(topk_weights=tw, sorted_ids=align.sorted_ids, expert_ids=align.expert_ids,
-                  post_pad=align.num_tokens_post_padded, num_pairs=num_pairs, topk=topk,
-                  apply_w_in=apply_router_weight_on_input)
-    _launch(MODE_W13, x, h, w13, configs[0], align.max_blocks, **common)
-    out = torch.zeros(m, w2.N, dtype=torch.float32, device=x.device)
-    _launch(MODE_W2, h, out, w2, configs[1], align.max_blocks, **common)
+    common = dict(topk_weights=tw, num_pairs=num_pairs, topk=topk, apply_w_in=apply_router_weight_on_input)
+    if bm == 1:
+        grid_m = num_pairs
+        common.update(expert_ids=topk_ids.reshape(-1).to(torch.int32), direct=True)
+    else:
+        align = moe_align_block_size(topk_ids, bm, w13.num_experts)
+        grid_m = align.max_blocks
+        common.update(sorted_ids=align.sorted_ids, expert_ids=align.expert_ids, post_pad=align.num_tokens_post_padded)
+    # both are summed into with float32 atomics (K slices; w2 also sums the top-k slots): one zeroed buffer
+    acc = torch.zeros(num_pairs * w13.N + m * w2.N, dtype=torch.float32, device=x.device)
+    h = acc[: num_pairs * w13.N].view(num_pairs, w13.N)
+    out = acc[num_pairs * w13.N :].view(m, w2.N)
+    _launch(MODE_W13, x, h, w13, configs[0], grid_m, **common)
+    _launch(MODE_W2, h, out, w2, configs[1], grid_m, **common)
     return out.to(hidden.dtype)
 
 

@@ -20,6 +20,12 @@
 #ifndef MODE
 #error "MODE must be defined"
 #endif
+#ifndef DIRECT
+#define DIRECT 0  // MODE 0/1 with BM 1: block b is pair b and its expert is topk_ids[b] (no sorted layout)
+#endif
+#if DIRECT && (BM != 1 || MODE == 2)
+#error "DIRECT needs BM 1 and an MoE mode"
+#endif
 
 #define NTHREADS 256
 #define CHUNK 128  // inputs per step: one 16-byte load per plane and row
@@ -94,7 +100,7 @@ __device__ __forceinline__ const float* chunk_tables(const float* pair_tables, i
 
 // pair index of slot i of this block, -1 for padding (read again rather than indexing a register array)
 __device__ __forceinline__ int pair_of(int i, int num_pairs, const int* sorted_ids) {
-#if MODE == 2
+#if MODE == 2 || DIRECT
     const int p = blockIdx.x * BM + i;
 #else
     const int p = sorted_ids[blockIdx.x * BM + i];
@@ -106,7 +112,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) ap_lut_gemv(  // 2 blo
     const void* x, float* out, const long long* page_table, const float* topk_weights,
     const int* sorted_ids, const int* expert_ids, const int* post_pad,
     int num_pairs, int topk, int N, int K, int ld_x, int ld_out, int pt_stride,
-    int k_per_split, int n_per_block, int row_index, int apply_w_in) {
+    int k_per_split, int n_per_block, int row_index, int apply_w_in, int num_experts) {
     extern __shared__ float smem[];
     const int kc_max = k_per_split;
     const int chunks_max = kc_max / CHUNK;
@@ -125,6 +131,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) ap_lut_gemv(  // 2 blo
 
 #if MODE == 2
     const int expert = row_index;
+#elif DIRECT
+    // one pair per block, in routing order: expert_ids is topk_ids itself (no alignment launch)
+    if (blockIdx.x >= num_pairs) return;
+    const int expert = expert_ids[blockIdx.x];
+    if (expert < 0 || expert >= num_experts) return;  // -1: a non-local expert under expert parallelism
 #else
     if (blockIdx.x * BM >= post_pad[0]) return;
     const int expert = expert_ids[blockIdx.x];

@@ -40,10 +40,18 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the LUT kernel is CUDA onl
 @pytest.mark.parametrize("block_m", [1, 2, 4, 8])
 def test_every_variant_compiles_for_sm90(mode, block_m):
     dtypes = [torch.bfloat16] if mode == 1 else [torch.bfloat16, torch.float16, torch.float32]
+    directs = [False, True] if block_m == 1 and mode != 2 else [False]
     for dtype in dtypes:
         for bits_max, group in ((8, 128), (4, 256)):
-            cubin = compile_to_cubin(kernel_defines(mode, dtype, block_m, bits_max, group), "90")
-            assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
+            for direct in directs:
+                cubin = compile_to_cubin(kernel_defines(mode, dtype, block_m, bits_max, group, direct), "90")
+                assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
+
+
+def test_direct_layout_is_refused_where_it_does_not_apply():
+    for mode, block_m in ((0, 2), (2, 1)):
+        with pytest.raises(RuntimeError, match="DIRECT needs BM 1"):
+            compile_to_cubin(kernel_defines(mode, torch.bfloat16, block_m, 8, 128, direct=True), "90")
 
 
 def test_config_validation_and_shared_memory_cap():
@@ -174,6 +182,24 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
     ref = ap_fused_moe_reference(x, tw, ids, p13.weights, p2.weights)
     for bm in (1, 2, 4, 8):
         cfgs = (LUTConfig(bm, 256, 128), LUTConfig(bm, 512, 256))
+        out = ap_fused_moe_lut(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
+        assert _rel(out, ref) < 5e-3, bm
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 3])
+def test_moe_skips_non_local_experts(m):
+    """Expert id -1 (SGLang's mark for experts of another rank under expert parallelism) contributes nothing,
+    in the one-pair-per-block layout (block_m 1, no alignment) and in the aligned one."""
+    num_experts, hidden, inter, topk = 8, 256, 256, 2
+    p13, p2 = _layer(num_experts, hidden, inter, [4] * num_experts, [5] * num_experts, seed=m)
+    tw, ids = _routing(m, num_experts, topk, "random", seed=m)
+    ids[0, 1] = -1
+    x = torch.randn(m, hidden, device="cuda")
+    # the reference sees the same routing with the -1 pair's weight zeroed (and a valid id in its place)
+    ref = ap_fused_moe_reference(x, torch.where(ids < 0, 0.0, tw), ids.clamp(min=0), p13.weights, p2.weights)
+    for bm in (1, 2):
+        cfgs = (LUTConfig(bm, 256, 128), LUTConfig(bm, 256, 128))
         out = ap_fused_moe_lut(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
         assert _rel(out, ref) < 5e-3, bm
 
