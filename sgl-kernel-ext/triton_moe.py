@@ -293,9 +293,10 @@ class _ScratchPipeline:
     """Rebuild chunk after chunk of experts into a scratch, each chunk consumed by GEMMs on the current stream.
 
     Without overlap: one scratch, rebuild and GEMMs alternate on the current stream. With overlap (CUDA, more
-    than one chunk): two scratch buffers; chunk c + 1 is rebuilt on a side stream while chunk c's GEMMs run
-    (the rebuild streams planes from HBM, the GEMMs are tensor-core bound, so they share the GPU well). Events
-    order every rebuild after the GEMMs that last read its buffer and every GEMM after its rebuild."""
+    than one chunk): two scratch buffers; chunk c + 1 is rebuilt on a side stream while chunk c's GEMMs run.
+    Events order every rebuild after the GEMMs that last read its buffer and every GEMM after its rebuild.
+    Measured on the H200 it is no faster (the GEMM grid fills every SM, so the rebuild waits for it), hence
+    off by default (APKernelConfig.dequant_overlap; docs/kernels.md)."""
 
     def __init__(self, w: APMoEWeights, chunk: int, cd: torch.dtype, device: torch.device, overlap: bool) -> None:
         self.w, self.chunk = w, chunk
