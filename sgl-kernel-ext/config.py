@@ -11,6 +11,10 @@ from dataclasses import dataclass
 import triton
 
 
+# who rebuilds the prefill scratch (triton_dequant_moe.dequantize_chunk)
+DEQUANT_KERNELS = ("auto", "cuda", "triton")
+
+
 @dataclass(frozen=True)
 class APKernelConfig:
     block_m: int = 16  # (token, slot) pairs per block, all of one expert; >= 16 (tl.dot minimum)
@@ -52,8 +56,8 @@ class APKernelConfig:
             raise ValueError(f"block_k must be >= 32 (one plane word), got {self.block_k}")
         if self.dequant_chunk < 0:
             raise ValueError(f"dequant_chunk must be >= 0, got {self.dequant_chunk}")
-        if self.dequant_kernel not in ("auto", "cuda", "triton"):
-            raise ValueError(f"dequant_kernel must be 'auto', 'cuda' or 'triton', got {self.dequant_kernel!r}")
+        if self.dequant_kernel not in DEQUANT_KERNELS:
+            raise ValueError(f"dequant_kernel must be one of {DEQUANT_KERNELS}, got {self.dequant_kernel!r}")
         if self.dense_gemm not in ("sglang", "triton"):
             raise ValueError(f"dense_gemm must be 'sglang' or 'triton', got {self.dense_gemm!r}")
         if self.split_k < 1:

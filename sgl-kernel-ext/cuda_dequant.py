@@ -29,6 +29,8 @@ def cuda_dequant_unsupported(w: APMoEWeights, scratch: torch.Tensor) -> str | No
         return f"table kind {w.table_kind!r} (the CUDA dequantization reads binary-coded planes only)"
     if w.K % 32 or w.group_size % 32:
         return f"K={w.K} and the bcq group size {w.group_size} must be multiples of 32"
+    if w.N * (w.K // 32) * 16 >= 2**31:  # the kernel's 32-bit index math (16 output words per plane word)
+        return f"an expert of N={w.N} x K={w.K} is too large for the kernel's 32-bit indexing"
     if scratch.dtype not in _CD:
         return f"scratch dtype {scratch.dtype} (bf16 or fp16 only)"
     if not (w.page_table.is_cuda and scratch.is_cuda):
@@ -64,9 +66,12 @@ def dequantize_chunk_cuda(w: APMoEWeights, scratch: torch.Tensor, e0: int) -> No
     why = cuda_dequant_unsupported(w, scratch)
     if why is not None:
         raise ValueError(f"the CUDA dequantization cannot run: {why}")
+    launch_checked(w, scratch, e0)
+
+
+def launch_checked(w: APMoEWeights, scratch: torch.Tensor, e0: int) -> None:
+    """The launch alone, for callers that already got None from `cuda_dequant_unsupported`."""
     words = w.N * (w.K // 32)
-    if words * 16 >= 2**31:  # the kernel's 32-bit index math (16 output words per plane word)
-        raise ValueError(f"the CUDA dequantization indexes an expert with 32-bit ints: N={w.N} x K={w.K} is too large")
     kernel = _kernel(scratch.dtype, w.bits_max, scratch.device.index or 0)
     kernel(
         grid=(-(-words // NTHREADS), scratch.shape[0], 1), block=(NTHREADS, 1, 1),

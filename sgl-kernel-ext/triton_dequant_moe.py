@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedweight.kernels.config import DEQUANT_KERNELS
+from pagedweight.kernels.cuda_dequant import cuda_dequant_unsupported, dequantize_chunk_cuda, launch_checked
 from pagedweight.kernels.triton_tiles import act_tile, load_row, plane_pointer, tile_dot, weight_tile
 
 
@@ -103,14 +105,14 @@ def dequantize_chunk(w, scratch: torch.Tensor, e0: int, cd_tl, bn: int, bk: int,
     times both kernels and the launch shapes). kernel: "cuda" (cuda_dequant.py: bcq planes on CUDA, whole
     plane words per thread), "triton" (every table kind, the interpreter), "auto" = "cuda" where it can run. Both
     write identical values; bn/bk/num_warps shape only the Triton launch."""
-    if kernel not in ("auto", "cuda", "triton"):
-        raise ValueError(f"kernel must be 'auto', 'cuda' or 'triton', got {kernel!r}")
-    if kernel != "triton":
-        from pagedweight.kernels.cuda_dequant import cuda_dequant_unsupported, dequantize_chunk_cuda
-
-        if kernel == "cuda" or cuda_dequant_unsupported(w, scratch) is None:
-            dequantize_chunk_cuda(w, scratch, e0)  # raises naming the reason when kernel="cuda" cannot run
-            return
+    if kernel not in DEQUANT_KERNELS:
+        raise ValueError(f"kernel must be one of {DEQUANT_KERNELS}, got {kernel!r}")
+    if kernel == "cuda":
+        dequantize_chunk_cuda(w, scratch, e0)  # raises naming the reason where it cannot run
+        return
+    if kernel == "auto" and cuda_dequant_unsupported(w, scratch) is None:
+        launch_checked(w, scratch, e0)
+        return
     chunk = scratch.shape[0]
     grid = (chunk, triton.cdiv(w.N, bn), w.K // bk)
     _dequant_kernel[grid](

@@ -5,6 +5,8 @@ expert, a chunk running past the last expert)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -42,6 +44,8 @@ def test_refusals_name_the_reason():
     assert "group size 16" in cuda_dequant_unsupported(g16, scratch[:1])
     assert "CUDA" in cuda_dequant_unsupported(bcq, scratch)
     assert "dtype" in cuda_dequant_unsupported(bcq, scratch.float())
+    huge = dataclasses.replace(bcq, N=2**18, K=2**14)  # 2^31 output words: past the kernel's 32-bit indexing
+    assert "too large" in cuda_dequant_unsupported(huge, scratch)
     with pytest.raises(ValueError, match="CUDA dequantization cannot run.*CUDA device"):
         dequantize_chunk_cuda(bcq, scratch, 0)
     with pytest.raises(ValueError, match="CUDA dequantization cannot run"):
