@@ -1,4 +1,4 @@
-"""BCQ and k-means quantizers: monotone error, prefix property, exact fits, reference decoding."""
+"""BCQ, uniform BCQ and k-means quantizers: monotone error, prefix property, exact fits, reference decoding."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pagedweight.format.block import HESSIAN_DAMPING, QuantizedBlock, weighted_e
 from pagedweight.format.kmeans import quantize_kmeans
 from pagedweight.format.layout import BlockSpec, codes_from_planes, dequantize, unpack_bits
 from pagedweight.format.quantize import effective_group_size, quantize_block
+from pagedweight.format.ubcq import quantize_ubcq
 
 
 def _matrix(kind: str, n: int = 24, k: int = 128, seed: int = 0) -> torch.Tensor:
@@ -34,10 +35,12 @@ def _hessian(k: int, seed: int = 1) -> torch.Tensor:
 def _quantize(table_kind: str, w: torch.Tensor, bits_min: int, bits_max: int, h=None, group_size: int = 32):
     if table_kind == "bcq":
         return quantize_bcq(w, bits_min, bits_max, group_size, h)
+    if table_kind == "ubcq":
+        return quantize_ubcq(w, bits_min, bits_max, group_size, h)
     return quantize_kmeans(w, bits_min, bits_max, h)
 
 
-@pytest.mark.parametrize("table_kind", ["bcq", "kmeans"])
+@pytest.mark.parametrize("table_kind", ["bcq", "ubcq", "kmeans"])
 @pytest.mark.parametrize("kind", ["gauss", "heavy"])
 @pytest.mark.parametrize("bits_min", [1, 2, 3])
 @pytest.mark.parametrize("weighted", [False, True])
@@ -53,7 +56,7 @@ def test_error_falls_monotonically_with_bits(table_kind, kind, bits_min, weighte
     assert errors[-1] < 0.02 * total and errors[-1] < 0.2 * errors[0]
 
 
-@pytest.mark.parametrize("table_kind", ["bcq", "kmeans"])
+@pytest.mark.parametrize("table_kind", ["bcq", "ubcq", "kmeans"])
 def test_reference_decoder_reproduces_the_fitted_model(table_kind):
     w = _matrix("heavy", n=16, k=64)
     block = _quantize(table_kind, w, 2, 6, _hessian(64))
@@ -154,7 +157,7 @@ def test_kmeans_seed_is_a_lloyd_fixed_point():
 
 def test_quantizers_are_deterministic():
     w = _matrix("heavy", n=12, k=64)
-    for kind in ("bcq", "kmeans"):
+    for kind in ("bcq", "ubcq", "kmeans"):
         a, b = (_quantize(kind, w, 2, 8, _hessian(64)) for _ in range(2))
         assert torch.equal(a.planes, b.planes)
         assert all(torch.equal(a.tables[x], b.tables[x]) for x in a.tables)
@@ -164,7 +167,7 @@ def test_degenerate_rows_are_exact():
     w = torch.zeros(4, 16)
     w[1] = 0.25  # constant row
     w[2, :8] = -1.0  # two values
-    for kind in ("bcq", "kmeans"):
+    for kind in ("bcq", "ubcq", "kmeans"):
         block = _quantize(kind, w, 2, 4, group_size=16)
         for b in block.spec.bitwidths:
             assert torch.allclose(block.dequantize(b), w, atol=1e-3), (kind, b)
@@ -174,7 +177,7 @@ def test_uncalibrated_inputs_still_get_fitted():
     # h_j = 0 for half the columns (never seen in calibration): damping keeps them fitted.
     w = _matrix("gauss", n=8, k=64)
     h = torch.cat([torch.zeros(32), torch.ones(32)])
-    for kind in ("bcq", "kmeans"):
+    for kind in ("bcq", "ubcq", "kmeans"):
         block = _quantize(kind, w, 2, 8, h)
         err_unseen = (w[:, :32] - block.dequantize(8)[:, :32]).square().sum()
         assert err_unseen < 0.05 * w[:, :32].square().sum()
@@ -254,3 +257,71 @@ def test_uniform_init_degenerate_groups_and_bad_init():
         assert torch.allclose(block.dequantize(b), w, atol=1e-3), b
     with pytest.raises(ValueError, match="bcq init must be one of"):
         quantize_bcq(w, 2, 4, 16, init="random")
+
+
+def _on_4bit_grid(n=16, k=128, group=32, seed=5):
+    """Weights on a 4-bit grid per group (GGUF Q4_1 of zero-centred rows: min + d * q with min ~ -8 d,
+    bell-shaped codes with both ends used), stored in bf16 like the MoEfied SmolLM2's experts; and their
+    codes."""
+    g = torch.Generator().manual_seed(seed)
+    codes = (7.5 + 3.0 * torch.randn(n * k // group, group, generator=g)).round().clamp(0, 15)
+    codes[:, 0], codes[:, 1] = 0, 15
+    codes = codes.long().reshape(n, k)
+    d = torch.rand(n, k // group, 1, generator=g) * 0.01 + 1e-3
+    lo = -d * (6 + 3 * torch.rand(n, k // group, 1, generator=g))
+    w = (lo + d * codes.reshape(n, k // group, group)).reshape(n, k).to(torch.bfloat16).float()
+    return w, codes
+
+
+# ------------------------------------------------------------------ ubcq: two numbers per group and bitwidth
+
+
+def test_ubcq_is_bcq_with_a_power_of_two_ladder_and_its_own_least_squares_line():
+    """W_b = offset + scale * sum_p 2^(b-1-p) s_p, with (scale, offset) the weighted least-squares line
+    through (x_b, W) per group."""
+    w = _matrix("heavy", n=6, k=64, seed=3)
+    h = _hessian(64, seed=4)
+    block = quantize_ubcq(w, 2, 6, 16, h)
+    hn = (h / h.mean() + HESSIAN_DAMPING).double().numpy()
+    signs = np.stack([unpack_bits(block.planes[p]).double().numpy() * 2 - 1 for p in range(6)])
+    for b in range(2, 7):
+        table = block.tables[b]
+        assert tuple(table.shape) == (2, 6, 4) and block.spec.table_bytes(b) == 2 * 6 * 4 * 2
+        ladder = np.array([2.0 ** (b - 1 - p) for p in range(b)])
+        for n, g in itertools.product(range(6), range(4)):
+            cols = slice(16 * g, 16 * g + 16)
+            x = ladder @ signs[:b, n, cols]
+            a = np.stack([x, np.ones(16)], axis=1)
+            sw = np.sqrt(hn[cols])[:, None]
+            coef, *_ = np.linalg.lstsq(a * sw, w[n, cols].double().numpy() * sw[:, 0], rcond=None)
+            stored = a @ table[:, n, g].double().numpy()
+            assert np.abs(a @ coef - stored).max() <= 2e-3 * np.abs(a @ coef).max() + 1e-7
+        # the reference decoder equals bcq's with the ladder expanded into b scales
+        expanded = torch.cat([table[0].float().unsqueeze(0) * torch.tensor(ladder, dtype=torch.float32)[:, None, None],
+                              table[1].float().unsqueeze(0)])
+        bcq_decoded = dequantize(block.planes[:b], expanded, b, "bcq", 16)
+        torch.testing.assert_close(block.dequantize(b), bcq_decoded, rtol=0, atol=1e-7)
+
+
+def test_ubcq_is_exact_on_a_4bit_grid_at_every_bitwidth_from_4():
+    """GGUF Q4 sources: exact from 4 bits up with two numbers per group. The grid keeps a coarse level's
+    weights on one fine code whatever their bf16 rounding (bcq.uniform_grid_signs), so 5..8 bits are as
+    exact as 4 (with the old grid, bf16 noise split them between two codes: ~5% error at 5 bits)."""
+    w, codes = _on_4bit_grid()
+    block = quantize_ubcq(w, 2, 8, 32)
+    for b in range(4, 9):
+        rel = float((block.dequantize(b) - w).norm() / w.norm())
+        assert rel < 2e-3, (b, rel)
+    assert torch.equal(codes_from_planes(block.planes, 4), codes.to(torch.int32))
+    assert block.spec.bytes_at(4) == 16 * 128 * (4 + 1) // 8  # 4 bits + 2 fp16 per 32 weights = 5 bits per weight
+
+
+def test_ubcq_tables_are_smaller_and_its_refusals():
+    spec = BlockSpec(64, 256, 2, 8, "ubcq", 32)
+    bcq = BlockSpec(64, 256, 2, 8, "bcq", 32)
+    for b in range(2, 9):
+        assert spec.table_shape(b) == (2, 64, 8) and spec.bytes_at(b) < bcq.bytes_at(b)
+    with pytest.raises(ValueError, match="bcq_init applies to table kind bcq only"):
+        quantize_block(torch.randn(4, 64), "ubcq", 2, 4, 32, bcq_init="uniform")
+    with pytest.raises(ValueError, match="ubcq table shape"):
+        dequantize(torch.zeros(4, 4, 8, dtype=torch.uint8), torch.zeros(5, 4, 2, dtype=torch.float16), 4, "ubcq", 32)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from pagedweight.format.arch import DENSE_LINEAR, EXPERT_NAME_HINTS, PROJS, SHARED, ArchAdapter, BlockKey, adapter_for, block_name
 from pagedweight.format.bcq import BCQ_INITS
 from pagedweight.format.checkpoint import APCheckpointWriter
-from pagedweight.format.layout import TABLE_KINDS
+from pagedweight.format.layout import TABLE_KINDS, is_grouped
 from pagedweight.format.manifest import AP_SUBDIR, ModelInfo
 from pagedweight.format.quantize import effective_group_size, quantize_block
 
@@ -76,7 +76,10 @@ class ConvertOptions:
         if self.bcq_init not in BCQ_INITS:
             raise ConversionError(f"--bcq-init must be one of {BCQ_INITS}, got {self.bcq_init!r}")
         if self.bcq_init != "greedy" and self.table_kind != "bcq":
-            raise ConversionError(f"--bcq-init {self.bcq_init} applies to --table-kind bcq only")
+            raise ConversionError(
+                f"--bcq-init {self.bcq_init} applies to --table-kind bcq only"
+                + (" (ubcq planes are always the uniform grid)" if self.table_kind == "ubcq" else "")
+            )
         if self.max_shard_bytes <= 0:
             raise ConversionError(f"max_shard_bytes must be positive, got {self.max_shard_bytes}")
         if self.workers < 1:
@@ -268,7 +271,7 @@ def _check_expert_shapes(source: SourceModel, opts: ConvertOptions) -> None:
                 shape = f.get_slice(name).get_shape()
                 if len(shape) != 2 or shape[1] % 8:
                     raise ConversionError(f"{name}: shape {shape}; AP blocks need 2-D weights with in_features % 8 == 0")
-                if opts.table_kind == "bcq":
+                if is_grouped(opts.table_kind):
                     try:
                         effective_group_size(shape[1], opts.group_size)
                     except ValueError as exc:
@@ -418,11 +421,12 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", required=True, type=Path, help="Hugging Face model directory (safetensors)")
     parser.add_argument("--out", required=True, type=Path, help="output directory (must not exist or be empty)")
     parser.add_argument("--table-kind", choices=TABLE_KINDS, default="bcq",
-                        help="bcq: binary-coded planes + scales (default); kmeans: Any-Precision LLM LUTs")
+                        help="bcq: binary-coded planes + b+1 scales per group (default); ubcq: uniform-grid planes + "
+                        "one scale and offset per group (smallest tables); kmeans: Any-Precision LLM LUTs")
     parser.add_argument("--bits-min", type=int, default=2, help="seed bitwidth (lowest servable), default 2")
     parser.add_argument("--bits-max", type=int, default=8, help="parent bitwidth (planes stored), default 8")
     parser.add_argument("--group-size", type=int, default=128,
-                        help="bcq input group size (power of two; clipped to in_features), default 128")
+                        help="bcq/ubcq input group size (power of two; clipped to in_features), default 128")
     parser.add_argument("--bcq-init", choices=BCQ_INITS, default="greedy",
                         help="how bcq sign planes are chosen: greedy residual signs (default) or the codes of a "
                         "uniform grid anchored at 4 bits (lower error on the MoEfied SmolLM2, exact at 4 bits for "

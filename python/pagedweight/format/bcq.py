@@ -15,8 +15,8 @@ optimization (_refine_seed) before the higher planes are frozen on top of them; 
 bitwidth served under the most memory pressure, and greedy signs alone clip the tails of bell-shaped rows.
 
 Planes from a uniform grid (init="uniform"): each group's parent code is its position on a uniform grid
-over [min, max] that has 2^A levels (A = UNIFORM_ANCHOR_BITS) each split into 2^(bits_max - A) finer ones,
-centred on the coarse level; plane p is bit bits_max - 1 - p of the code (MSB first). So the top A planes
+over [min, max] that has 2^A levels (A = UNIFORM_ANCHOR_BITS) each split into 2^(bits_max - A) finer ones
+(uniform_grid_signs); plane p is bit bits_max - 1 - p of the code (MSB first). So the top A planes
 are exactly round-to-nearest A-bit uniform codes, b > A planes refine within each coarse level, b < A
 merge neighbouring levels, and every bitwidth's coefficients are refitted by the same weighted least
 squares. Measured on the MoEfied SmolLM2 (docs/results/quality.md): lower fit error than the greedy planes
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedweight.format.block import QuantizedBlock, normalized_hessian_diag, row_chunks
+from pagedweight.format.block import QuantizedBlock, checked_weight, grouped_hessian, row_chunks
 from pagedweight.format.layout import TABLE_DTYPE, BlockSpec, pack_bits
 
 _FP16_MAX = float(torch.finfo(torch.float16).max)
@@ -58,14 +58,10 @@ def quantize_bcq(
     """Quantize W[N, K] into bits_max binary planes and one [b + 1, N, K // G] table per bitwidth b."""
     if init not in BCQ_INITS:
         raise ValueError(f"bcq init must be one of {BCQ_INITS}, got {init!r}")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
-    n_rows, k = weight.shape
+    w = checked_weight(weight)
+    n_rows, k = w.shape
     spec = BlockSpec(n_rows, k, bits_min, bits_max, "bcq", group_size)
-    w = weight.detach().to(torch.float64).cpu()
-    if not torch.isfinite(w).all():
-        raise ValueError("weight contains NaN or Inf; the source checkpoint is corrupt")
-    h = normalized_hessian_diag(hessian_diag, k).to(torch.float64).reshape(spec.num_groups, group_size)
+    h = grouped_hessian(hessian_diag, spec)
 
     plane_chunks: list[torch.Tensor] = []
     table_chunks: dict[int, list[torch.Tensor]] = {b: [] for b in spec.bitwidths}
@@ -105,7 +101,7 @@ def _fit_rows_uniform(
     w: torch.Tensor, h: torch.Tensor, bits_min: int, bits_max: int
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, float]]:
     """Same contract as _fit_rows, planes from the anchored uniform grid (module docstring)."""
-    signs = _uniform_grid_signs(w, bits_max, min(UNIFORM_ANCHOR_BITS, bits_max))
+    signs = uniform_grid_signs(w, bits_max, min(UNIFORM_ANCHOR_BITS, bits_max))
     tables: dict[int, torch.Tensor] = {}
     sse: dict[int, float] = {}
     for b in range(bits_min, bits_max + 1):
@@ -115,15 +111,30 @@ def _fit_rows_uniform(
     return torch.stack(signs, dim=0), tables, sse
 
 
-def _uniform_grid_signs(w: torch.Tensor, bits: int, anchor: int) -> list[torch.Tensor]:
+def uniform_grid_signs(w: torch.Tensor, bits: int, anchor: int, levels_on_fine_codes: bool = False
+                       ) -> list[torch.Tensor]:
     """+-1 planes (MSB first) of each group's code on a uniform grid: 2^anchor levels spanning the group's
-    [min, max], each split into 2^(bits - anchor) finer levels centred on it (a constant group gets one code)."""
+    [min, max], each split into 2^(bits - anchor) finer levels (a constant group gets one code).
+
+    Default (bcq): the fine levels are centred on each coarse level, which puts the coarse level itself on
+    the boundary between two fine codes; bcq's least-squares refit of every plane's scale absorbs that.
+    levels_on_fine_codes (ubcq): the fine levels sit on multiples of step / 2^(bits - anchor) and coarse
+    level i is the fine code i * 2^(bits - anchor) + 2^(bits - anchor - 1), rounded to nearest, so a weight
+    on the coarse grid keeps one code at every bitwidth >= anchor as long as its rounding noise is below half
+    a fine step (bf16 copies of GGUF Q4_1 weights: |w| <= ~8 steps, bf16 noise <= 8 * 2^-9 steps = 1/4 of a
+    fine step at 8 bits). ubcq's two-number table cannot absorb a split: with the centred grid its
+    5-bit error on such weights was 46x its 4-bit error (0.057 vs 0.0012 on a MoEfied SmolLM2 w1)."""
     lo = w.amin(-1, keepdim=True)
     span = w.amax(-1, keepdim=True) - lo
     fine = span / ((2**anchor - 1) * 2 ** (bits - anchor))
     fine = torch.where(fine > 0, fine, torch.ones_like(fine))
     pos = (w - lo) / fine
-    code = torch.floor(pos + 2 ** (bits - anchor - 1)) if bits > anchor else torch.round(pos)
+    if bits == anchor:
+        code = torch.round(pos)
+    elif levels_on_fine_codes:
+        code = torch.round(pos) + 2 ** (bits - anchor - 1)
+    else:
+        code = torch.floor(pos + 2 ** (bits - anchor - 1))
     code = code.clamp(0, 2**bits - 1).to(torch.int64)
     return [(((code >> (bits - 1 - p)) & 1) * 2 - 1).to(w.dtype) for p in range(bits)]
 

@@ -44,6 +44,22 @@ class QuantizedBlock:
         return dequantize(self.planes[:bits], self.tables[bits], bits, self.spec.table_kind, self.spec.group_size)
 
 
+def checked_weight(weight: torch.Tensor) -> torch.Tensor:
+    """W[N, K] as float64 on the CPU, the quantizers' working copy; refuses non-2-D or non-finite weights."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
+    w = weight.detach().to(torch.float64).cpu()
+    if not torch.isfinite(w).all():
+        raise ValueError("weight contains NaN or Inf; the source checkpoint is corrupt")
+    return w
+
+
+def grouped_hessian(hessian_diag: torch.Tensor | None, spec: BlockSpec) -> torch.Tensor:
+    """normalized_hessian_diag as float64 [groups, G] for the grouped quantizers (bcq, ubcq)."""
+    h = normalized_hessian_diag(hessian_diag, spec.in_features)
+    return h.to(torch.float64).reshape(spec.num_groups, spec.group_size)
+
+
 def normalized_hessian_diag(hessian_diag: torch.Tensor | None, in_features: int) -> torch.Tensor:
     """Per-input weights h_j for the least-squares fits: E[x_j^2] scaled to mean 1, plus HESSIAN_DAMPING.
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedweight.format.block import QuantizedBlock, normalized_hessian_diag, row_chunks
+from pagedweight.format.block import QuantizedBlock, checked_weight, normalized_hessian_diag, row_chunks
 from pagedweight.format.layout import TABLE_DTYPE, BlockSpec, pack_bits
 
 LLOYD_MAX_ITERS = 100
@@ -35,13 +35,9 @@ def quantize_kmeans(
     hessian_diag: torch.Tensor | None = None,
 ) -> QuantizedBlock:
     """Quantize W[N, K] into bits_max code planes and one [N, 2**b] LUT per bitwidth b."""
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
-    n_rows, k = weight.shape
+    w = checked_weight(weight)
+    n_rows, k = w.shape
     spec = BlockSpec(n_rows, k, bits_min, bits_max, "kmeans")
-    w = weight.detach().to(torch.float64).cpu()
-    if not torch.isfinite(w).all():
-        raise ValueError("weight contains NaN or Inf; the source checkpoint is corrupt")
     if w.abs().max() > _FP16_MAX:
         raise ValueError("weights beyond +-65504 cannot be stored in float16 LUTs; check the source weights")
     h = normalized_hessian_diag(hessian_diag, k).to(torch.float64)

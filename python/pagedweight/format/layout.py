@@ -11,8 +11,20 @@ from typing import Literal
 
 import torch
 
-TableKind = Literal["bcq", "kmeans"]
-TABLE_KINDS: tuple[str, ...] = ("bcq", "kmeans")
+TableKind = Literal["bcq", "kmeans", "ubcq"]
+TABLE_KINDS: tuple[str, ...] = ("bcq", "kmeans", "ubcq")
+# Kinds whose tables are per (row, input group) and whose planes are +-1 signs: [rows, N, K // G] tables.
+GROUPED_KINDS: tuple[str, ...] = ("bcq", "ubcq")
+
+
+def is_grouped(table_kind: str) -> bool:
+    """True for the binary-coded kinds (bcq, ubcq): grouped tables with N along dim 1, sign planes."""
+    return table_kind in GROUPED_KINDS
+
+
+def uniform_scale_ladder(bits: int) -> torch.Tensor:
+    """ubcq's plane multipliers 2^(bits-1-p), p = 0..bits-1 (float32): alpha_p = scale * ladder[p]."""
+    return torch.pow(2.0, torch.arange(bits - 1, -1, -1, dtype=torch.float32))
 PLANE_DTYPE = torch.uint8
 TABLE_DTYPE = torch.float16
 
@@ -26,7 +38,7 @@ class BlockSpec:
     bits_min: int
     bits_max: int
     table_kind: TableKind = "bcq"
-    group_size: int = 128  # bcq only
+    group_size: int = 128  # grouped kinds (bcq, ubcq) only
 
     def __post_init__(self) -> None:
         if self.table_kind not in TABLE_KINDS:
@@ -35,7 +47,7 @@ class BlockSpec:
             raise ValueError(f"need 1 <= bits_min <= bits_max <= 8, got {self.bits_min}..{self.bits_max}")
         if self.in_features % 8:
             raise ValueError(f"in_features must be a multiple of 8, got {self.in_features}")
-        if self.table_kind == "bcq" and (
+        if is_grouped(self.table_kind) and (
             self.group_size <= 0 or self.in_features % self.group_size or self.group_size & (self.group_size - 1)
         ):
             raise ValueError(
@@ -57,6 +69,8 @@ class BlockSpec:
         self.check_bits(bits)
         if self.table_kind == "bcq":
             return (bits + 1, self.out_features, self.num_groups)
+        if self.table_kind == "ubcq":
+            return (2, self.out_features, self.num_groups)
         return (self.out_features, 2**bits)
 
     def plane_bytes(self) -> int:
@@ -79,8 +93,8 @@ class BlockSpec:
 
 
 def table_key(table_kind: str, bits: int) -> str:
-    """Suffix of the tensor that holds the table for `bits` (e.g. 'bcq.b4')."""
-    return f"{'bcq' if table_kind == 'bcq' else 'lut'}.b{bits}"
+    """Suffix of the tensor that holds the table for `bits` (e.g. 'bcq.b4', 'ubcq.b4', 'lut.b4')."""
+    return f"{'lut' if table_kind == 'kmeans' else table_kind}.b{bits}"
 
 
 _SHIFTS = torch.arange(8, dtype=torch.uint8)
@@ -113,17 +127,23 @@ def dequantize(
     planes: torch.Tensor, table: torch.Tensor, bits: int, table_kind: str, group_size: int = 128
 ) -> torch.Tensor:
     """Reference: the b-bit weight W_b [N, K] in float32 from the first `bits` planes and table_b."""
-    if table_kind == "bcq":
-        n, kb = planes.shape[1], planes.shape[2]
-        k = kb * 8
+    if is_grouped(table_kind):
+        k = planes.shape[2] * 8
         t = table.float()
-        g = t.shape[-1]
-        if g * group_size != k or t.shape[0] != bits + 1:
-            raise ValueError(f"bcq table shape {tuple(t.shape)} does not fit planes {tuple(planes.shape)} at {bits} bits")
-        w = t[bits].repeat_interleave(group_size, dim=-1).clone()
+        rows = bits + 1 if table_kind == "bcq" else 2
+        if t.dim() != 3 or t.shape[-1] * group_size != k or t.shape[0] != rows:
+            raise ValueError(
+                f"{table_kind} table shape {tuple(t.shape)} does not fit planes {tuple(planes.shape)} at {bits} bits"
+            )
+        if table_kind == "bcq":
+            alphas, offset = t[:bits], t[bits]
+        else:  # ubcq: the scales are one per group times the power-of-two ladder
+            alphas = t[0].unsqueeze(0) * uniform_scale_ladder(bits).to(t.device)[:, None, None]
+            offset = t[1]
+        w = offset.repeat_interleave(group_size, dim=-1).clone()
         for p in range(bits):
             sign = unpack_bits(planes[p]).float() * 2 - 1
-            w += t[p].repeat_interleave(group_size, dim=-1) * sign
+            w += alphas[p].repeat_interleave(group_size, dim=-1) * sign
         return w
     if table_kind == "kmeans":
         code = codes_from_planes(planes, bits).long()

@@ -7,7 +7,8 @@ import torch
 from pagedweight.format.bcq import quantize_bcq
 from pagedweight.format.block import QuantizedBlock
 from pagedweight.format.kmeans import quantize_kmeans
-from pagedweight.format.layout import TABLE_KINDS
+from pagedweight.format.layout import TABLE_KINDS, is_grouped
+from pagedweight.format.ubcq import quantize_ubcq
 
 
 def effective_group_size(in_features: int, group_size: int) -> int:
@@ -36,10 +37,15 @@ def quantize_block(
     hessian_diag: torch.Tensor | None = None,
     bcq_init: str = "greedy",
 ) -> QuantizedBlock:
-    """Quantize W[N, K] to an AP block. `group_size` and `bcq_init` (bcq only): the group is clipped to K
-    (effective_group_size); the init picks how sign planes are chosen (pagedweight.format.bcq)."""
-    if table_kind == "bcq":
+    """Quantize W[N, K] to an AP block. `group_size` (bcq, ubcq) is clipped to K (effective_group_size);
+    `bcq_init` (bcq only) picks how sign planes are chosen (pagedweight.format.bcq); ubcq planes are always
+    the uniform grid's (pagedweight.format.ubcq)."""
+    if is_grouped(table_kind):
         g = effective_group_size(weight.shape[-1], group_size)
+        if table_kind == "ubcq":
+            if bcq_init != "greedy":
+                raise ValueError("bcq_init applies to table kind bcq only (ubcq planes are always the uniform grid)")
+            return quantize_ubcq(weight, bits_min, bits_max, g, hessian_diag)
         return quantize_bcq(weight, bits_min, bits_max, g, hessian_diag, init=bcq_init)
     if table_kind == "kmeans":
         return quantize_kmeans(weight, bits_min, bits_max, hessian_diag)
