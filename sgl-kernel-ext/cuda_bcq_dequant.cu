@@ -1,8 +1,10 @@
 // Prefill dequantization of binary-coded (bcq) bit-planes into a dense bf16/fp16 scratch.
 //
-// Compiled at first use with NVRTC (cuda_dequant.py), one cubin per (CD, PMAX); no CUDA headers.
+// Compiled at first use with NVRTC (cuda_dequant.py), one cubin per (CD, PMAX, UNIFORM); no CUDA headers.
 //
 // bcq weight (docs/format.md): W[n, k] = t[q][n, g] + sum_{p<q} t[p][n, g] * (2 * bit_p[n, k] - 1), g = k / G.
+// UNIFORM (table kind ubcq): the table is [2, N, K / G], t[0] the scale and t[1] the offset, and plane p's
+// coefficient is t[0][n, g] * 2^(q-1-p) (exact in float32; rounded to the scratch dtype like a bcq scale).
 // The scratch holds W in the tile column order of triton_tiles.py (input 32c + 16h + s -> column 32c + 2s + h),
 // so the prefill GEMMs read the permuted activations contiguously, and the values are bit-identical to the
 // Triton dequantization (same packed adds in the same plane order).
@@ -24,6 +26,9 @@
 #endif
 #ifndef PMAX
 #error "PMAX must be defined"
+#endif
+#ifndef UNIFORM
+#define UNIFORM 0
 #endif
 
 #define NTHREADS 256
@@ -54,6 +59,20 @@ __device__ __forceinline__ u32 pack2(u16 h) {
 #endif
 }
 
+// fp16 scale times 2^e as a packed pair of the scratch dtype (the product is exact in float32)
+__device__ __forceinline__ u32 pack2_scaled(u16 h, int e) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    f *= (float)(1u << e);
+    u16 b;
+#if CD == 0
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(f));
+#else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(b) : "f"(f));
+#endif
+    return (u32)b | ((u32)b << 16);
+}
+
 extern "C" __global__ void __launch_bounds__(NTHREADS) ap_bcq_dequant(
     const long long* __restrict__ page_table, u32* __restrict__ scratch, int e0, int num_experts, int N, int K,
     int G, int pt_stride) {  // ints: torch's launcher passes Python ints as C int
@@ -69,7 +88,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ap_bcq_dequant(
 
     const long long* row = page_table + (long long)e * pt_stride;
     const int q = (int)row[0];
-    const u16* table = (const u16*)row[1];  // fp16 [q + 1, N, K / G]
+    const u16* table = (const u16*)row[1];  // fp16 [q + 1, N, K / G] (UNIFORM: [2, N, K / G])
     const unsigned groups = (unsigned)K / (unsigned)G;
     const unsigned n = word / words_per_row;
     const unsigned gi = n * groups + (word - n * words_per_row) / ((unsigned)G >> 5);
@@ -84,10 +103,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ap_bcq_dequant(
         a[p] = 0;
         if (valid && p < q) {
             w[p] = __ldg((const u32*)row[2 + p] + word);
+#if UNIFORM
+            a[p] = pack2_scaled(__ldg(table + gi), q - 1 - p);
+#else
             a[p] = pack2(__ldg(table + p * plane_stride + gi));
+#endif
         }
     }
-    if (valid) off = pack2(__ldg(table + (unsigned)q * plane_stride + gi));
+    if (valid) off = pack2(__ldg(table + (UNIFORM ? 1u : (unsigned)q) * plane_stride + gi));
     u32 out[16];
 #pragma unroll
     for (int s = 0; s < 16; ++s) {

@@ -6,7 +6,7 @@ This kernel is a flat stream: one thread per 32-bit plane word (warps read 128 c
 plane), each warp's output staged through shared memory so every store writes 512 contiguous bytes. It
 writes exactly what the Triton dequantization writes (same column order, same packed adds), so either can
 fill the scratch; `dequantize_chunk(kernel="auto")` takes this one where it can run (CUDA, bcq, K and the
-group a multiple of 32) and the Triton one otherwise (k-means tables, the interpreter, CPU).
+group a multiple of 32; bcq or ubcq tables) and the Triton one otherwise (k-means tables, the interpreter, CPU).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ _CD = {torch.bfloat16: 0, torch.float16: 1}
 
 def cuda_dequant_unsupported(w: APMoEWeights, scratch: torch.Tensor) -> str | None:
     """Why the CUDA dequantization cannot fill `scratch` from `w` (None when it can)."""
-    if w.table_kind != "bcq":
+    if not w.grouped:
         return f"table kind {w.table_kind!r} (the CUDA dequantization reads binary-coded planes only)"
     if w.K % 32 or w.group_size % 32:
-        return f"K={w.K} and the bcq group size {w.group_size} must be multiples of 32"
+        return f"K={w.K} and the {w.table_kind} group size {w.group_size} must be multiples of 32"
     if w.N * (w.K // 32) * 16 >= 2**31:  # the kernel's 32-bit index math (16 output words per plane word)
         return f"an expert of N={w.N} x K={w.K} is too large for the kernel's 32-bit indexing"
     if scratch.dtype not in _CD:
@@ -40,8 +40,9 @@ def cuda_dequant_unsupported(w: APMoEWeights, scratch: torch.Tensor) -> str | No
     return None
 
 
-def kernel_defines(scratch_dtype: torch.dtype, bits_max: int) -> list[str]:
-    return [f"-DCD={_CD[scratch_dtype]}", f"-DPMAX={bits_max}"]
+def kernel_defines(scratch_dtype: torch.dtype, bits_max: int, uniform: bool = False) -> list[str]:
+    """uniform: ubcq tables (one scale and the offset per group)."""
+    return [f"-DCD={_CD[scratch_dtype]}", f"-DPMAX={bits_max}", f"-DUNIFORM={int(uniform)}"]
 
 
 def compile_to_cubin(defines: list[str], compute_capability: str) -> bytes:
@@ -53,11 +54,11 @@ def compile_to_cubin(defines: list[str], compute_capability: str) -> bytes:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(scratch_dtype: torch.dtype, bits_max: int, device_index: int):
+def _kernel(scratch_dtype: torch.dtype, bits_max: int, uniform: bool, device_index: int):
     """The compiled kernel for one variant on one device (compiled once per process)."""
     with torch.cuda.device(device_index):
         return torch.cuda._compile_kernel(
-            _SOURCE.read_text(), "ap_bcq_dequant", nvcc_options=kernel_defines(scratch_dtype, bits_max)
+            _SOURCE.read_text(), "ap_bcq_dequant", nvcc_options=kernel_defines(scratch_dtype, bits_max, uniform)
         )
 
 
@@ -72,7 +73,7 @@ def dequantize_chunk_cuda(w: APMoEWeights, scratch: torch.Tensor, e0: int) -> No
 def launch_checked(w: APMoEWeights, scratch: torch.Tensor, e0: int) -> None:
     """The launch alone, for callers that already got None from `cuda_dequant_unsupported`."""
     words = w.N * (w.K // 32)
-    kernel = _kernel(scratch.dtype, w.bits_max, scratch.device.index or 0)
+    kernel = _kernel(scratch.dtype, w.bits_max, w.table_kind == "ubcq", scratch.device.index or 0)
     kernel(
         grid=(-(-words // NTHREADS), scratch.shape[0], 1), block=(NTHREADS, 1, 1),
         args=[w.page_table, scratch, e0, w.num_experts, w.N, w.K, w.group_size, w.page_table.stride(0)],

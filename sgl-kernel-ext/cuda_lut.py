@@ -6,7 +6,7 @@ per nibble and were no faster than rebuilding weights: docs/kernels.md), so this
 first use with NVRTC (shipped with torch's CUDA wheels; no toolkit needed) and launched on the current
 stream, which CUDA graphs capture like any other launch. Everything else stays in Triton.
 
-Scope: CUDA, bcq tables with a group size that is a multiple of 128, K a multiple of 128, plane and table
+Scope: CUDA, bcq or ubcq tables with a group size that is a multiple of 128, K a multiple of 128, plane and table
 addresses 16-byte aligned (the runtime's arena slots are 256-byte aligned). `lut_unsupported` says why a
 block is not eligible; callers then use the Triton tiles.
 """
@@ -53,10 +53,10 @@ class LUTConfig:
 
 def lut_unsupported(w: APMoEWeights) -> str | None:
     """Why the LUT kernel cannot serve `w` (None when it can)."""
-    if w.table_kind != "bcq":
+    if not w.grouped:
         return f"table kind {w.table_kind!r} (the LUT kernel reads binary-coded planes only)"
     if w.group_size % CHUNK:
-        return f"bcq group size {w.group_size} is not a multiple of {CHUNK}"
+        return f"{w.table_kind} group size {w.group_size} is not a multiple of {CHUNK}"
     if w.K % CHUNK:
         return f"K={w.K} is not a multiple of {CHUNK}"
     if not w.page_table.is_cuda:
@@ -103,10 +103,11 @@ def default_lut_config(active_blocks_m: int, block_m: int, n: int, k: int, num_s
 
 
 def kernel_defines(mode: int, x_dtype: torch.dtype, block_m: int, bits_max: int, group_size: int,
-                   direct: bool = False) -> list[str]:
-    """direct: one pair per block in routing order, its expert read from topk_ids (MoE modes, block_m 1)."""
+                   direct: bool = False, uniform: bool = False) -> list[str]:
+    """direct: one pair per block in routing order, its expert read from topk_ids (MoE modes, block_m 1);
+    uniform: ubcq tables (one scale and the offset per group)."""
     return [f"-DMODE={mode}", f"-DXT={_XT[x_dtype]}", f"-DBM={block_m}", f"-DPMAX={bits_max}", f"-DG={group_size}",
-            f"-DDIRECT={int(direct)}"]
+            f"-DDIRECT={int(direct)}", f"-DUNIFORM={int(uniform)}"]
 
 
 def compile_to_cubin(defines: list[str], compute_capability: str) -> bytes:
@@ -119,12 +120,12 @@ def compile_to_cubin(defines: list[str], compute_capability: str) -> bytes:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(mode: int, x_dtype: torch.dtype, block_m: int, bits_max: int, group_size: int, direct: bool,
-            device_index: int):
+            uniform: bool, device_index: int):
     """The compiled kernel for one variant on one device (compiled once per process, ~1 s)."""
     with torch.cuda.device(device_index):
         return torch.cuda._compile_kernel(
             _SOURCE.read_text(), "ap_lut_gemv",
-            nvcc_options=kernel_defines(mode, x_dtype, block_m, bits_max, group_size, direct),
+            nvcc_options=kernel_defines(mode, x_dtype, block_m, bits_max, group_size, direct, uniform),
         )
 
 
@@ -133,7 +134,8 @@ def _launch(mode: int, x: torch.Tensor, out: torch.Tensor, w: APMoEWeights, cfg:
             row_index: int = 0, apply_w_in: bool = False, direct: bool = False) -> None:
     if x.data_ptr() % 16:  # the kernel reads 4 activations per vector load
         x = x.clone()
-    kernel = _kernel(mode, x.dtype, cfg.block_m, w.bits_max, w.group_size, direct, x.device.index or 0)
+    kernel = _kernel(mode, x.dtype, cfg.block_m, w.bits_max, w.group_size, direct, w.table_kind == "ubcq",
+                     x.device.index or 0)
     smem = cfg.shared_bytes()
     if smem > kernel._max_shared_mem_bytes:
         kernel.set_shared_memory_config(smem)

@@ -1,8 +1,10 @@
 // Decode-size AP GEMV over binary-coded (bcq) bit-planes with activation-side tables (LUT-GEMM / T-MAC).
 //
-// Compiled at first use with NVRTC (cuda_lut.py), one cubin per (MODE, XT, BM, PMAX, G); no CUDA headers.
+// Compiled at first use with NVRTC (cuda_lut.py), one cubin per (MODE, XT, BM, PMAX, G, DIRECT, UNIFORM); no
+// CUDA headers.
 //
 // bcq weight (docs/format.md): W[n, k] = t[q][n, g] + sum_{p<q} t[p][n, g] * (2 * bit_p[n, k] - 1), g = k / G.
+// UNIFORM (table kind ubcq): the table is [2, N, K / G] and plane p's scale is t[0][n, g] * 2^(q-1-p), offset t[1].
 // So y[n] = sum_g ( t[q][n,g] * S_g + sum_p t[p][n,g] * sum_{k in g} x_k * (2 * bit_p[n,k] - 1) ).
 // For every 4 inputs the block builds in shared memory the 16 signed sums +-x0 +-x1 +-x2 +-x3 (one table
 // per nibble position); then each plane nibble is one shared-memory lookup and one add, instead of four
@@ -19,6 +21,9 @@
 
 #ifndef MODE
 #error "MODE must be defined"
+#endif
+#ifndef UNIFORM
+#define UNIFORM 0  // ubcq tables: one scale per group times 2^(q-1-p), the offset in row 1
 #endif
 #ifndef DIRECT
 #define DIRECT 0  // MODE 0/1 with BM 1: block b is pair b and its expert is topk_ids[b] (no sorted layout)
@@ -74,7 +79,7 @@ __device__ __forceinline__ float lookup(const float* table, u32 byte_offset) {
 }
 
 // plane words (one 16-byte load per plane) and the bcq scales (planes 0..q-1, offset at index PMAX) of row n
-// for the 128 inputs from k0
+// for the 128 inputs from k0; UNIFORM: the one scale at index 0, the offset at index PMAX
 __device__ __forceinline__ void load_chunk(const unsigned char* const* planes, const unsigned short* alphas, int q, int N,
                                            int groups, int n, long long row_bytes, int k0, uint4* w,
                                            unsigned short* a16) {
@@ -83,10 +88,17 @@ __device__ __forceinline__ void load_chunk(const unsigned char* const* planes, c
     for (int p = 0; p < PMAX; ++p) {
         if (p < q) {
             w[p] = __ldg((const uint4*)(planes[p] + n * row_bytes + k0 / 8));
+#if !UNIFORM
             a16[p] = __ldg(alphas + ((long long)p * N + n) * groups + g);
+#endif
         }
     }
+#if UNIFORM
+    a16[0] = __ldg(alphas + (long long)n * groups + g);
+    a16[PMAX] = __ldg(alphas + ((long long)N + n) * groups + g);
+#else
     a16[PMAX] = __ldg(alphas + ((long long)q * N + n) * groups + g);
+#endif
 }
 
 // a pair's 32 tables of chunk c: chunks are CHUNK_STRIDE = 512 + 16 floats apart, so an odd chunk's tables sit
@@ -145,7 +157,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) ap_lut_gemv(  // 2 blo
     // ---- the expert's page-table row: committed bitwidth, table and plane addresses ----
     const long long* row = page_table + (long long)expert * pt_stride;
     const int q = (int)row[0];
-    const unsigned short* alphas = (const unsigned short*)row[1];  // fp16 [q + 1, N, K / G]
+    const unsigned short* alphas = (const unsigned short*)row[1];  // fp16 [q + 1, N, K / G] (UNIFORM [2, N, K / G])
     const unsigned char* planes[PMAX];
 #pragma unroll
     for (int p = 0; p < PMAX; ++p) planes[p] = p < q ? (const unsigned char*)row[2 + p] : (const unsigned char*)0;
@@ -222,7 +234,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) ap_lut_gemv(  // 2 blo
 #pragma unroll
             for (int p = 0; p < PMAX; ++p) {
                 if (p < q) {
+#if UNIFORM
+                    const float alpha = half_to_float(a16[0]) * (float)(1u << (q - 1 - p));
+#else
                     const float alpha = half_to_float(a16[p]);
+#endif
                     const u32 words[4] = {w[p].x, w[p].y, w[p].z, w[p].w};
                     // two partial sums per pair: halves the dependent-add chain of the 32 lookups
                     float acc[BM], acc2[BM];

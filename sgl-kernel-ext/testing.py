@@ -39,6 +39,11 @@ def random_table(n: int, k: int, bits: int, kind: str, group_size: int, gen: tor
         alpha *= scale * (0.5 ** torch.arange(bits, dtype=torch.float32, device=dev))[:, None, None]
         off = torch.randn(1, n, g, generator=gen, device=dev) * (scale / 10)
         return torch.cat([alpha, off]).to(torch.float16)
+    if kind == "ubcq":  # scale of the lowest plane (the top plane's coefficient is scale * 2^(bits-1)), offset
+        g = k // group_size
+        step = (torch.rand(1, n, g, generator=gen, device=dev) + 0.5) * (scale * 0.5 ** (bits - 1))
+        off = torch.randn(1, n, g, generator=gen, device=dev) * (scale / 10)
+        return torch.cat([step, off]).to(torch.float16)
     lut = torch.sort(torch.randn(n, 2**bits, generator=gen, device=dev) * scale, dim=-1).values
     return lut.to(torch.float16)
 

@@ -117,7 +117,7 @@ def dequantize_chunk(w, scratch: torch.Tensor, e0: int, cd_tl, bn: int, bk: int,
     grid = (chunk, triton.cdiv(w.N, bn), w.K // bk)
     _dequant_kernel[grid](
         w.page_table, scratch, e0, w.num_experts, w.N, w.K, w.group_size, w.page_table.stride(0),
-        KIND=0 if w.table_kind == "bcq" else 1, P_MAX=w.bits_max, BN=bn, BK=bk, CD=cd_tl, USE_ASM=use_asm,
+        KIND=w.kernel_kind, P_MAX=w.bits_max, BN=bn, BK=bk, CD=cd_tl, USE_ASM=use_asm,
         num_warps=num_warps,
     )
 

@@ -75,7 +75,7 @@ def ap_linear_triton(
     _ap_linear_kernel[grid](
         xp, out, bias if bias is not None else out, w.page_table, row,
         m, w.N, w.K, w.group_size, xp.stride(0), out.stride(0), w.page_table.stride(0),
-        KIND=0 if w.table_kind == "bcq" else 1, HAS_BIAS=bias is not None, P_MAX=w.bits_max, SPLIT_K=cfg.split_k,
+        KIND=w.kernel_kind, HAS_BIAS=bias is not None, P_MAX=w.bits_max, SPLIT_K=cfg.split_k,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, CD=_TL_DTYPE[cd], USE_ASM=use_asm, DOT_F32=not x.is_cuda,
         **cfg.launch_options(x.is_cuda),
     )

@@ -247,9 +247,9 @@ def input_permutation(k: int, table_kind: str, device: torch.device) -> torch.Te
     """perm[j] = the input index held by tile column j (see triton_tiles.permuted_position)."""
     j = torch.arange(k, device=device)
     c, r = j // 32, j % 32
-    if table_kind == "bcq":
-        return c * 32 + (r % 2) * 16 + r // 2
-    return c * 32 + (r % 4) * 8 + r // 4
+    if table_kind == "kmeans":
+        return c * 32 + (r % 4) * 8 + r // 4
+    return c * 32 + (r % 2) * 16 + r // 2
 
 
 class _PermutationCache:
@@ -285,8 +285,8 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _check_bk(w: APMoEWeights, bk: int, name: str) -> None:
     w.check_triton_supported(name)
-    if w.K % bk or (w.table_kind == "bcq" and w.group_size % bk):
-        raise ValueError(f"{name}: BK={bk} must divide K={w.K}" + (f" and group_size={w.group_size}" if w.table_kind == "bcq" else ""))
+    if w.K % bk or (w.grouped and w.group_size % bk):
+        raise ValueError(f"{name}: BK={bk} must divide K={w.K}" + (f" and group_size={w.group_size}" if w.grouped else ""))
 
 
 class _ScratchPipeline:
@@ -426,8 +426,8 @@ def ap_fused_moe_triton(
     act = torch.empty(num_pairs, inter, dtype=cd, device=hidden.device)
     out = torch.zeros(m, h, dtype=torch.float32, device=hidden.device)
     max_blocks = align.max_blocks
-    kind13 = 0 if w13.table_kind == "bcq" else 1
-    kind2 = 0 if w2.table_kind == "bcq" else 1
+    kind13 = w13.kernel_kind
+    kind2 = w2.kernel_kind
     if cfg13.dequant_chunk > 0:
         _dequantized_moe(x, act, out, w13, w2, tw, topk_ids, align, cfg13, cfg2, num_pairs, topk, kind2,
                          apply_router_weight_on_input=apply_router_weight_on_input, use_asm=use_asm, cd=cd,

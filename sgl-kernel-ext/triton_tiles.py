@@ -75,10 +75,10 @@ def _add2(a, b, CD: tl.constexpr, USE_ASM: tl.constexpr):
 def permuted_position(k, KIND: tl.constexpr):
     """Tile column that input k (an index into K, K % 32 == 0) occupies: activations are stored permuted
     (the MoE input by the launcher, the w13 -> w2 intermediate by the w13 kernel) so tiles load them
-    contiguously. bcq: input 32c + 16h + s -> column 32c + 2s + h; kmeans: 32c + 8i + s -> 32c + 4s + i."""
+    contiguously. bcq/ubcq: input 32c + 16h + s -> column 32c + 2s + h; kmeans: 32c + 8i + s -> 32c + 4s + i."""
     c = k // 32
     r = k % 32
-    if KIND == 0:
+    if KIND != 1:
         pos = c * 32 + (r % 16) * 2 + r // 16
     else:
         pos = c * 32 + (r % 8) * 4 + r // 8
@@ -118,9 +118,13 @@ def tile_words(p0, p1, p2, p3, p4, p5, p6, p7, q, offs_n, mask_n, k0, K, in_rang
 
 
 @triton.jit
-def _alpha(table_ptr, p: tl.constexpr, q, plane_stride, alpha_off, mask_n, CD: tl.constexpr, ROW: tl.constexpr):
-    """Packed (alpha_p, alpha_p) per row ([BN, 1], ROW) or per (row, word) of the tile; zeros when p >= q."""
-    if ROW:
+def _alpha(table_ptr, p: tl.constexpr, q, plane_stride, alpha_off, mask_n, step, CD: tl.constexpr, ROW: tl.constexpr,
+           UNIFORM: tl.constexpr):
+    """Packed (alpha_p, alpha_p) per row ([BN, 1], ROW) or per (row, word) of the tile; zeros when p >= q.
+    UNIFORM (ubcq): alpha_p = step * 2^(q-1-p) from the one float32 scale `step` (exact: a power of two)."""
+    if UNIFORM:
+        a = tl.where(p < q, step * tl.exp2((q - 1 - p).to(tl.float32)), 0.0)
+    elif ROW:
         a = tl.load(table_ptr + p * plane_stride + alpha_off, mask=mask_n & (p < q), other=0.0)[:, None]
     else:
         a = tl.load(table_ptr + p * plane_stride + alpha_off, mask=mask_n[:, None] & (p < q), other=0.0)
@@ -139,26 +143,31 @@ def _bcq_plane_step(acc, p: tl.constexpr, q, words, alpha2, CD: tl.constexpr, US
 
 @triton.jit
 def bcq_tile_from(w0, w1, w2, w3, w4, w5, w6, w7, q, table_ptr, offs_n, mask_n, k0, N, K, G: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, P_MAX: tl.constexpr, CD: tl.constexpr, USE_ASM: tl.constexpr):
-    """W[BN, BK] (dtype CD, columns in permuted order) of a binary-coded block at bitwidth q from its words."""
+                  BN: tl.constexpr, BK: tl.constexpr, P_MAX: tl.constexpr, CD: tl.constexpr, USE_ASM: tl.constexpr,
+                  UNIFORM: tl.constexpr):
+    """W[BN, BK] (dtype CD, columns in permuted order) of a binary-coded block at bitwidth q from its words.
+    UNIFORM: a ubcq table [2, N, K/G] (scale, offset) instead of bcq's [q + 1, N, K/G] (scales, offset)."""
     ng = K // G
+    off_row = 1 if UNIFORM else q
     if BK > G:  # a tile spans several groups: one scale per (row, 32-input word)
         c = tl.arange(0, BK // 32)
         alpha_off = offs_n[:, None] * ng + ((k0 + 32 * c) // G)[None, :]
-        off = tl.load(table_ptr + q * N * ng + alpha_off, mask=mask_n[:, None], other=0.0)
+        off = tl.load(table_ptr + off_row * N * ng + alpha_off, mask=mask_n[:, None], other=0.0)
+        step = tl.load(table_ptr + alpha_off, mask=mask_n[:, None], other=0.0).to(tl.float32) if UNIFORM else 0.0
     else:  # one scale per row
         alpha_off = offs_n * ng + k0 // G
-        off = tl.load(table_ptr + q * N * ng + alpha_off, mask=mask_n, other=0.0)[:, None]
+        off = tl.load(table_ptr + off_row * N * ng + alpha_off, mask=mask_n, other=0.0)[:, None]
+        step = tl.load(table_ptr + alpha_off, mask=mask_n, other=0.0)[:, None].to(tl.float32) if UNIFORM else 0.0
     ps = N * ng
     # all table loads first (one exposed latency per tile, not one per plane)
-    a0 = _alpha(table_ptr, 0, q, ps, alpha_off, mask_n, CD, BK <= G)
-    a1 = _alpha(table_ptr, 1, q, ps, alpha_off, mask_n, CD, BK <= G) if P_MAX > 1 else a0
-    a2 = _alpha(table_ptr, 2, q, ps, alpha_off, mask_n, CD, BK <= G) if P_MAX > 2 else a0
-    a3 = _alpha(table_ptr, 3, q, ps, alpha_off, mask_n, CD, BK <= G) if P_MAX > 3 else a0
-    a4 = _alpha(table_ptr, 4, q, ps, alpha_off, mask_n, CD, BK <= G) if P_MAX > 4 else a0
-    a5 = _alpha(table_ptr, 5, q, ps, alpha_off, mask_n, CD, BK <= G) if P_MAX > 5 else a0
-    a6 = _alpha(table_ptr, 6, q, ps, alpha_off, mask_n, CD, BK <= G) if P_MAX > 6 else a0
-    a7 = _alpha(table_ptr, 7, q, ps, alpha_off, mask_n, CD, BK <= G) if P_MAX > 7 else a0
+    a0 = _alpha(table_ptr, 0, q, ps, alpha_off, mask_n, step, CD, BK <= G, UNIFORM)
+    a1 = _alpha(table_ptr, 1, q, ps, alpha_off, mask_n, step, CD, BK <= G, UNIFORM) if P_MAX > 1 else a0
+    a2 = _alpha(table_ptr, 2, q, ps, alpha_off, mask_n, step, CD, BK <= G, UNIFORM) if P_MAX > 2 else a0
+    a3 = _alpha(table_ptr, 3, q, ps, alpha_off, mask_n, step, CD, BK <= G, UNIFORM) if P_MAX > 3 else a0
+    a4 = _alpha(table_ptr, 4, q, ps, alpha_off, mask_n, step, CD, BK <= G, UNIFORM) if P_MAX > 4 else a0
+    a5 = _alpha(table_ptr, 5, q, ps, alpha_off, mask_n, step, CD, BK <= G, UNIFORM) if P_MAX > 5 else a0
+    a6 = _alpha(table_ptr, 6, q, ps, alpha_off, mask_n, step, CD, BK <= G, UNIFORM) if P_MAX > 6 else a0
+    a7 = _alpha(table_ptr, 7, q, ps, alpha_off, mask_n, step, CD, BK <= G, UNIFORM) if P_MAX > 7 else a0
     # plane 0 always exists (q >= 1): start from off + term_0, no materialized copies of off
     shl = 15 - tl.arange(0, 16)
     term0 = a0[:, :, None] ^ (~(w0[:, :, None] << shl[None, None, :]) & _SIGN2)
@@ -222,11 +231,12 @@ def lut_tile_from(w0, w1, w2, w3, w4, w5, w6, w7, q, table_ptr, offs_n, mask_n,
 def tile_from_words(w0, w1, w2, w3, w4, w5, w6, w7, q, table_ptr, offs_n, mask_n, k0, N, K, G: tl.constexpr,
                     KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P_MAX: tl.constexpr,
                     CD: tl.constexpr, USE_ASM: tl.constexpr):
-    if KIND == 0:
-        w = bcq_tile_from(w0, w1, w2, w3, w4, w5, w6, w7, q, table_ptr, offs_n, mask_n, k0, N, K, G,
-                          BN, BK, P_MAX, CD, USE_ASM)
-    else:
+    """KIND: 0 bcq, 1 kmeans, 2 ubcq (weights.KERNEL_KIND)."""
+    if KIND == 1:
         w = lut_tile_from(w0, w1, w2, w3, w4, w5, w6, w7, q, table_ptr, offs_n, mask_n, BN, BK, P_MAX, CD)
+    else:
+        w = bcq_tile_from(w0, w1, w2, w3, w4, w5, w6, w7, q, table_ptr, offs_n, mask_n, k0, N, K, G,
+                          BN, BK, P_MAX, CD, USE_ASM, KIND == 2)
     return w
 
 

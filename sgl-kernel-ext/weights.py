@@ -5,7 +5,7 @@ Page-table row e of a projection (w13 = gate||up along N, or w2 = down), int64 [
     [q_e, table_addr_e, plane_addr_e_0, ..., plane_addr_e_{P-1}]
 
 q_e is the committed bitwidth, table_addr_e the data_ptr() of expert e's q_e-bit table (docs/format.md:
-bcq [q+1, N, K/G] fp16, kmeans [N, 2**q] fp16) and plane_addr_e_p the data_ptr() of plane p [N, K/8] uint8.
+bcq [q+1, N, K/G] fp16, ubcq [2, N, K/G] fp16, kmeans [N, 2**q] fp16) and plane_addr_e_p the data_ptr() of plane p [N, K/8] uint8.
 Planes and tables may live anywhere; the runtime rewrites rows between calls (or CUDA-graph replays) while
 the tensor's own address stays fixed, so a captured graph keeps reading the current rows.
 """
@@ -17,7 +17,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from pagedweight.format.layout import PLANE_DTYPE, TABLE_DTYPE, TABLE_KINDS
+from pagedweight.format.layout import PLANE_DTYPE, TABLE_DTYPE, TABLE_KINDS, is_grouped
+
+# The kernels' KIND constexpr per table kind (triton_tiles.tile_from_words).
+KERNEL_KIND = {"bcq": 0, "kmeans": 1, "ubcq": 2}
 
 # Column indices of a page-table row.
 PT_BITS = 0
@@ -69,11 +72,11 @@ class APMoEWeights:
                 f"{name}: the Triton AP kernels need K (in_features) % 32 == 0 (one plane word), got K={self.K}; "
                 "use the torch reference (CPU) for this shape"
             )
-        if self.table_kind == "bcq":
+        if self.grouped:
             g = self.group_size
             if g < 32 or g & (g - 1) or self.K % g:
                 raise ValueError(
-                    f"{name}: the Triton AP kernels need a bcq group_size that is a power of two >= 32 dividing "
+                    f"{name}: the Triton AP kernels need a {self.table_kind} group_size that is a power of two >= 32 dividing "
                     f"K={self.K}, got {g} (the kernel keeps one scale per 32-weight word); re-convert with "
                     "group_size >= 32"
                 )
@@ -83,13 +86,25 @@ class APMoEWeights:
         return self.K // self.group_size
 
     @property
+    def grouped(self) -> bool:
+        """Binary-coded planes with per-group tables (bcq, ubcq)."""
+        return is_grouped(self.table_kind)
+
+    @property
+    def kernel_kind(self) -> int:
+        """The KIND constexpr of the Triton kernels (0 bcq, 1 kmeans, 2 ubcq)."""
+        return KERNEL_KIND[self.table_kind]
+
+    @property
     def bcq_group(self) -> int | None:
-        """The group the kernels' K blocks must divide: the bcq group size (k-means rows have none)."""
-        return self.group_size if self.table_kind == "bcq" else None
+        """The group the kernels' K blocks must divide: the bcq/ubcq group size (k-means rows have none)."""
+        return self.group_size if self.grouped else None
 
     def table_shape(self, bits: int) -> tuple[int, ...]:
         if self.table_kind == "bcq":
             return (bits + 1, self.N, self.num_groups)
+        if self.table_kind == "ubcq":
+            return (2, self.N, self.num_groups)
         return (self.N, 2**bits)
 
 

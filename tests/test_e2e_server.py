@@ -93,14 +93,15 @@ def test_startup_log_reports_expert_memory(server):
     assert 0 < frac < 40.0
 
 
-def test_mixtral_with_kmeans_tables_serves(tiny_mixtral, server_env, cpu_server_flags, work_dir):
-    """The second architecture and the second table kind through the same server path."""
+@pytest.mark.parametrize("kind", ["kmeans", "ubcq"])
+def test_mixtral_with_other_table_kinds_serves(kind, tiny_mixtral, server_env, cpu_server_flags, work_dir):
+    """The second architecture and the other table kinds through the same server path."""
     from pagedweight.convert import convert_checkpoint
 
-    ap = convert_checkpoint(tiny_mixtral, work_dir / "ap-mixtral-kmeans", table_kind="kmeans", bits_min=2,
+    ap = convert_checkpoint(tiny_mixtral, work_dir / f"ap-mixtral-{kind}", table_kind=kind, bits_min=2,
                             bits_max=8, seed=0)
     srv = launch_server(ap, ["--enable-paged-weight", "--paged-weight-bits", "3"] + cpu_server_flags, server_env,
-                        work_dir / "server-mixtral.log")
+                        work_dir / f"server-mixtral-{kind}.log")
     try:
         wait_healthy(srv)
         r = requests.post(srv.url + "/generate", json={"text": "a b c", "sampling_params": {

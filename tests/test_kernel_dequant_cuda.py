@@ -31,8 +31,9 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the CUDA dequantization ne
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_every_variant_compiles_for_sm90(dtype):
     for bits_max in range(1, 9):
-        cubin = compile_to_cubin(kernel_defines(dtype, bits_max), "90")
-        assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
+        for uniform in (False, True):
+            cubin = compile_to_cubin(kernel_defines(dtype, bits_max, uniform), "90")
+            assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
 
 
 def test_refusals_name_the_reason():
@@ -65,6 +66,7 @@ def _reference_scratch(w, e: int, dtype) -> torch.Tensor:
 
 
 @needs_cuda
+@pytest.mark.parametrize("kind", ["bcq", "ubcq"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "n,k,group,bits",
@@ -76,9 +78,9 @@ def _reference_scratch(w, e: int, dtype) -> torch.Tensor:
         (96, 512, 256, [5, 5, 3]),
     ],
 )
-def test_matches_triton_bit_for_bit_and_the_reference(dtype, n, k, group, bits):
+def test_matches_triton_bit_for_bit_and_the_reference(kind, dtype, n, k, group, bits):
     dev = torch.device("cuda")
-    proj = random_ap_projection(len(bits), n, k, bits, table_kind="bcq", group_size=group, bits_min=1, seed=n,
+    proj = random_ap_projection(len(bits), n, k, bits, table_kind=kind, group_size=group, bits_min=1, seed=n,
                                 device=dev)
     w = proj.weights
     got = torch.full((len(bits), n, k), float("nan"), dtype=dtype, device=dev)

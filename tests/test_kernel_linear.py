@@ -13,7 +13,7 @@ from tests.test_kernel_support import HAS_CUDA, INTERPRET, KERNEL_DEVICE, needs_
 
 
 @needs_kernel_device
-@pytest.mark.parametrize("kind", ["bcq", "kmeans"])
+@pytest.mark.parametrize("kind", ["bcq", "ubcq", "kmeans"])
 @pytest.mark.parametrize("m,split_k,bias", [(1, 1, False), (7, 3, True), (33, 1, True)])
 def test_linear_matches_reference(kind, m, split_k, bias):
     n, k = 80, 128
@@ -29,7 +29,7 @@ def test_linear_matches_reference(kind, m, split_k, bias):
 
 
 @needs_kernel_device
-@pytest.mark.parametrize("kind", ["bcq", "kmeans"])
+@pytest.mark.parametrize("kind", ["bcq", "ubcq", "kmeans"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m,bias", [(3, True), (130, False)])
 def test_linear_prefill_path_matches_reference(kind, dtype, m, bias):
@@ -41,7 +41,7 @@ def test_linear_prefill_path_matches_reference(kind, dtype, m, bias):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).to(KERNEL_DEVICE)
     b = torch.randn(n).to(dtype).to(KERNEL_DEVICE) if bias else None
     forced = APKernelConfig(block_m=16, block_n=32, block_k=64, dequant_chunk=1)
-    default = default_linear_config(m, n, k, 64 if kind == "bcq" else None)
+    default = default_linear_config(m, n, k, 64 if kind != "kmeans" else None)
     assert (default.dequant_chunk > 0) == (m >= LINEAR_DEQUANT_MIN_M)
     for row in (0, 1):
         ref = x.float() @ dequantize_expert(proj.weights, row).to(x.device).t() + (b.float() if bias else 0)

@@ -42,9 +42,10 @@ def test_every_variant_compiles_for_sm90(mode, block_m):
     dtypes = [torch.bfloat16] if mode == 1 else [torch.bfloat16, torch.float16, torch.float32]
     directs = [False, True] if block_m == 1 and mode != 2 else [False]
     for dtype in dtypes:
-        for bits_max, group in ((8, 128), (4, 256)):
+        for bits_max, group, uniform in ((8, 128, False), (4, 256, False), (8, 128, True)):
             for direct in directs:
-                cubin = compile_to_cubin(kernel_defines(mode, dtype, block_m, bits_max, group, direct), "90")
+                defines = kernel_defines(mode, dtype, block_m, bits_max, group, direct, uniform)
+                cubin = compile_to_cubin(defines, "90")
                 assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
 
 
@@ -113,10 +114,12 @@ def _tol(dtype):
 
 
 @needs_cuda
+@pytest.mark.parametrize("kind", ["bcq", "ubcq"])
 @pytest.mark.parametrize("n,k,group", [(256, 128, 128), (300, 384, 128), (1000, 1408, 128), (2048, 2048, 256)])
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
-def test_linear_matches_reference(n, k, group, bits):
-    proj = random_ap_projection(1, n, k, [bits], group_size=group, bits_min=2, seed=bits, device="cuda")
+def test_linear_matches_reference(kind, n, k, group, bits):
+    proj = random_ap_projection(1, n, k, [bits], table_kind=kind, group_size=group, bits_min=2, seed=bits,
+                                device="cuda")
     for m in (1, 2, 3, 5, 8):
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).to(dtype)
@@ -137,9 +140,11 @@ def test_linear_small_k_slices_and_blocks():
         assert _rel(ap_linear_lut(x, proj.weights, 0, None, cfg), ref) < 5e-3, cfg
 
 
-def _layer(num_experts, hidden, inter, bits13, bits2, seed=0):
-    p13 = random_ap_projection(num_experts, 2 * inter, hidden, bits13, bits_min=2, seed=seed, device="cuda")
-    p2 = random_ap_projection(num_experts, hidden, inter, bits2, bits_min=2, seed=seed + 1, device="cuda")
+def _layer(num_experts, hidden, inter, bits13, bits2, seed=0, kind="bcq"):
+    p13 = random_ap_projection(num_experts, 2 * inter, hidden, bits13, table_kind=kind, bits_min=2, seed=seed,
+                               device="cuda")
+    p2 = random_ap_projection(num_experts, hidden, inter, bits2, table_kind=kind, bits_min=2, seed=seed + 1,
+                              device="cuda")
     return p13, p2
 
 
@@ -157,16 +162,17 @@ def _routing(m, num_experts, topk, pattern, seed=0):
 
 
 @needs_cuda
+@pytest.mark.parametrize("kind", ["bcq", "ubcq"])
 @pytest.mark.parametrize(
     "num_experts,topk,m,pattern",
     [(8, 2, 1, "random"), (8, 2, 4, "random"), (8, 1, 3, "one_expert"), (60, 4, 1, "random"),
      (60, 4, 16, "random"), (16, 8, 5, "one_expert"), (64, 6, 2, "random")],
 )
-def test_moe_matches_reference(num_experts, topk, m, pattern):
+def test_moe_matches_reference(kind, num_experts, topk, m, pattern):
     hidden, inter = 512, 384  # w2: K = 384 = three 128-input chunks
     bits13 = [2 + (e % 7) for e in range(num_experts)]  # every bitwidth 2..8, mixed in one launch
     bits2 = [2 + ((e + 3) % 7) for e in range(num_experts)]
-    p13, p2 = _layer(num_experts, hidden, inter, bits13, bits2, seed=num_experts + m)
+    p13, p2 = _layer(num_experts, hidden, inter, bits13, bits2, seed=num_experts + m, kind=kind)
     tw, ids = _routing(m, num_experts, topk, pattern, seed=m)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         x = torch.randn(m, hidden, device="cuda").to(dtype)

@@ -1,5 +1,5 @@
 """Fused AP MoE (Triton) against the torch reference: random and adversarial routings, every bitwidth,
-mixed per-expert bitwidths, both table kinds, page-table rows rewritten between calls (and CUDA-graph
+mixed per-expert bitwidths, every table kind (bcq, ubcq, kmeans), page-table rows rewritten between calls (and CUDA-graph
 replays on GPU). Runs compiled on CUDA, interpreted on CPU (TRITON_INTERPRET=1, small shapes)."""
 
 from __future__ import annotations
@@ -64,14 +64,14 @@ def run_case(m, topk, kind, dtype, bits13, bits2, pattern="random", group=32, ap
 
 
 @needs_kernel_device
-@pytest.mark.parametrize("kind", ["bcq", "kmeans"])
+@pytest.mark.parametrize("kind", ["bcq", "ubcq", "kmeans"])
 @pytest.mark.parametrize("m,topk", [(1, 1), (3, 2), (11, 3)])
 def test_random_routing_mixed_bits(kind, m, topk):
     run_case(m, topk, kind, torch.float16, [2, 5, 8, 3], [4, 7, 2, 6], seed=m)
 
 
 @needs_kernel_device
-@pytest.mark.parametrize("kind", ["bcq", "kmeans"])
+@pytest.mark.parametrize("kind", ["bcq", "ubcq", "kmeans"])
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
 def test_every_bitwidth(kind, bits):
     run_case(5, 2, kind, torch.float16, [bits] * 3, [bits] * 3, seed=bits)
@@ -84,7 +84,7 @@ def test_dtypes(dtype):
 
 
 @needs_kernel_device
-@pytest.mark.parametrize("kind", ["bcq", "kmeans"])
+@pytest.mark.parametrize("kind", ["bcq", "ubcq", "kmeans"])
 def test_all_tokens_to_one_expert(kind):
     run_case(19, 2, kind, torch.float16, [3, 4, 5, 6], [6, 5, 4, 3], pattern="one_expert")
 
@@ -95,8 +95,9 @@ def test_empty_experts():
 
 
 @needs_kernel_device
-def test_group_64_and_router_weight_on_input():
-    run_case(4, 1, "bcq", torch.float16, [4, 5], [5, 4], group=64, apply_w_in=True)
+@pytest.mark.parametrize("kind", ["bcq", "ubcq"])
+def test_group_64_and_router_weight_on_input(kind):
+    run_case(4, 1, kind, torch.float16, [4, 5], [5, 4], group=64, apply_w_in=True)
 
 
 @needs_kernel_device
@@ -111,7 +112,7 @@ def test_asm_and_emulated_builds_agree(use_asm, dtype):
 @pytest.mark.parametrize(
     "kind,prefetch,fuse,split13",
     [("bcq", False, True, 1), ("bcq", True, False, 2), ("kmeans", True, False, 2), ("kmeans", True, True, 1),
-     ("bcq", False, False, 3)],
+     ("bcq", False, False, 3), ("ubcq", True, True, 1), ("ubcq", False, False, 2)],
 )
 def test_block_m_32_split_k_prefetch_fused(kind, prefetch, fuse, split13):
     p13, p2 = make_layer(3, [4, 2, 8], [8, 3, 4], kind)
@@ -129,7 +130,8 @@ def test_block_m_32_split_k_prefetch_fused(kind, prefetch, fuse, split13):
 
 @needs_kernel_device
 @pytest.mark.parametrize("dense_gemm", ["sglang", "triton"])
-@pytest.mark.parametrize("kind,chunk,apply_w_in", [("bcq", 1, False), ("kmeans", 2, True), ("bcq", 8, True)])
+@pytest.mark.parametrize("kind,chunk,apply_w_in",
+                         [("bcq", 1, False), ("kmeans", 2, True), ("bcq", 8, True), ("ubcq", 2, False)])
 def test_dequantize_then_dense_prefill_path(kind, chunk, apply_w_in, dense_gemm):
     """Experts dequantized once into a scratch, in chunks (including one larger than E), then dense GEMMs:
     SGLang's own fused-MoE kernel on each chunk's view of the alignment, or ours."""

@@ -14,7 +14,7 @@ import torch
 
 from pagedweight.config import PagedWeightConfig
 from pagedweight.format.checkpoint import APCheckpoint
-from pagedweight.format.layout import BlockSpec
+from pagedweight.format.layout import BlockSpec, is_grouped
 from pagedweight.layer_sources import layer_geometry
 from pagedweight.moe_method import LayerSource
 from pagedweight.runtime.expert_store import ExpertPlanes, MoELayerStore, ProjectionStore
@@ -63,9 +63,10 @@ class CheckpointLayerSource(LayerSource):
         tables = {}
         for b in self.ckpt.bitwidths:
             g, u = self.ckpt.table(gate, b), self.ckpt.table(up, b)
-            dim = 1 if kind == "bcq" else 0  # bcq [b+1, N, G], kmeans [N, 2^b]
-            g = g[:, rows] if kind == "bcq" else g[rows]
-            u = u[:, rows] if kind == "bcq" else u[rows]
+            grouped = is_grouped(kind)  # bcq [b+1, N, G], ubcq [2, N, G], kmeans [N, 2^b]
+            dim = 1 if grouped else 0
+            g = g[:, rows] if grouped else g[rows]
+            u = u[:, rows] if grouped else u[rows]
             tables[b] = _maybe_pin(torch.cat([g, u], dim=dim).contiguous(), pin)
         return ExpertPlanes(_maybe_pin(planes, pin), tables)
 
@@ -75,14 +76,14 @@ class CheckpointLayerSource(LayerSource):
             planes = self.ckpt.planes(down)
             tables = {b: self.ckpt.table(down, b) for b in self.ckpt.bitwidths}
         else:
-            if inter_p % 8 or (kind == "bcq" and inter_p % spec.group_size):
+            if inter_p % 8 or (is_grouped(kind) and inter_p % spec.group_size):
                 raise ValueError(
                     f"{down!r}: intermediate shard {inter_p} is not a multiple of 8 and of the group size "
                     f"{spec.group_size}; use a smaller --tp or reconvert with a smaller --group-size"
                 )
             byte_cols = slice(tp_rank * inter_p // 8, (tp_rank + 1) * inter_p // 8)
             planes = self.ckpt.planes(down)[:, :, byte_cols]
-            if kind == "bcq":
+            if is_grouped(kind):
                 groups = slice(tp_rank * inter_p // spec.group_size, (tp_rank + 1) * inter_p // spec.group_size)
                 tables = {b: self.ckpt.table(down, b)[:, :, groups] for b in self.ckpt.bitwidths}
             else:  # a k-means LUT is per output row: every input shard shares it

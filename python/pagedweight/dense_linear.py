@@ -21,6 +21,7 @@ from sglang.srt.layers.quantization.base_config import LinearMethodBase
 from sglang.srt.utils import set_weight_attrs
 
 from pagedweight.format.arch import DENSE_LINEAR
+from pagedweight.format.layout import is_grouped
 
 logger = logging.getLogger(__name__)
 
@@ -207,21 +208,21 @@ class CheckpointDenseSource:
         for shard in plan.rows:
             p = _slice_rows(ckpt.planes(shard.name, bits), 1, shard.start, shard.stop)
             t = ckpt.table(shard.name, bits)
-            t = _slice_rows(t, 1 if kind == "bcq" else 0, shard.start, shard.stop)
+            t = _slice_rows(t, 1 if is_grouped(kind) else 0, shard.start, shard.stop)
             if plan.cols is not None:
                 c0, c1 = plan.cols
-                if c0 % 8 or c1 % 8 or (kind == "bcq" and (c0 % group or c1 % group)):
+                if c0 % 8 or c1 % 8 or (is_grouped(kind) and (c0 % group or c1 % group)):
                     raise ValueError(
-                        f"{prefix}: this rank's input columns {c0}..{c1} do not fall on whole bytes and bcq groups "
+                        f"{prefix}: this rank's input columns {c0}..{c1} do not fall on whole bytes and bcq/ubcq groups "
                         f"of {group}; use a smaller --tp or reconvert with a smaller --group-size"
                     )
                 p = p[:, :, c0 // 8:c1 // 8]
-                if kind == "bcq":  # a k-means LUT is per output row: every input shard shares it
+                if is_grouped(kind):  # a k-means LUT is per output row: every input shard shares it
                     t = t[:, :, c0 // group:c1 // group]
             planes.append(p)
             tables.append(t)
         cat_planes = torch.cat(planes, dim=1)
-        cat_table = torch.cat(tables, dim=1 if kind == "bcq" else 0)
+        cat_table = torch.cat(tables, dim=1 if is_grouped(kind) else 0)
         return _to_device_weights(prefix, bits, kind, group, cat_planes, cat_table, device)
 
 

@@ -90,18 +90,20 @@ _ROW_PARALLEL_SUFFIXES = (".self_attn.o_proj", ".shared_expert.down_proj")
 
 def _check_row_parallel_shards(ckpt: Any, tp: int) -> None:
     """Under --tp N each rank of a row-parallel dense linear keeps K / N input columns: whole plane bytes and,
-    for bcq, whole groups. Refused here rather than in every scheduler process while it loads."""
+    for bcq/ubcq, whole groups. Refused here rather than in every scheduler process while it loads."""
     if tp <= 1:
         return
+    from pagedweight.format.layout import is_grouped
+
     for name in ckpt.dense_names() + ckpt.names():
         if not name.endswith(_ROW_PARALLEL_SUFFIXES):
             continue
         spec = ckpt.spec(name)
         part = spec.in_features // tp
-        if spec.in_features % tp or part % 8 or (spec.table_kind == "bcq" and part % spec.group_size):
+        if spec.in_features % tp or part % 8 or (is_grouped(spec.table_kind) and part % spec.group_size):
             raise PagedWeightStartupError(
                 f"--paged-weight-scope all with --tp {tp}: {name} has {spec.in_features} inputs, so each rank would "
-                f"keep {spec.in_features / tp:g}, not a multiple of 8 and of the bcq group size {spec.group_size}; "
+                f"keep {spec.in_features / tp:g}, not a multiple of 8 and of the group size {spec.group_size}; "
                 "re-convert with a smaller --group-size, use a smaller --tp, or serve with --paged-weight-scope experts"
             )
 
