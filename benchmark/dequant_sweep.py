@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--out", default="out/dequant_sweep.json")
     ap.add_argument("--chunk", type=int, default=2, help="experts per launch")
     ap.add_argument("--budget-s", type=float, default=200)
+    ap.add_argument("--kinds", default="bcq,kmeans", help="table kinds (bcq, ubcq, kmeans)")
     a = ap.parse_args()
     t0 = time.time()
     dev = torch.device("cuda")
@@ -65,14 +66,14 @@ def main() -> None:
     fill_tbps = copy_dst.numel() / (eager_us(lambda: copy_dst.fill_(1)) * 1e-6) / 1e12
     rows = []
     for model, (E, N, K) in SHAPES.items():
-        for kind in ("bcq", "kmeans"):
+        for kind in a.kinds.split(","):
             p = random_ap_projection(E, N, K, [4] * E, table_kind=kind, group_size=128, bits_min=2, seed=1, device=dev)
             w = p.weights
             chunk = min(a.chunk, E)
             scratch = torch.empty(chunk, N, K, dtype=torch.bfloat16, device=dev)
             plane_bytes = chunk * N * K * 4 / 8
             moved = plane_bytes + scratch.numel() * 2
-            if kind == "bcq":  # the CUDA kernel (cuda_dequant.py), what the prefill path runs for bcq on CUDA
+            if kind != "kmeans":  # the CUDA kernel (cuda_dequant.py), what the prefill path runs for bcq/ubcq on CUDA
                 us = time_us(lambda: dequantize_chunk_cuda(w, scratch, 0))
                 r = dict(model=model, kind=kind, kernel="cuda", us=round(us, 1),
                          TBps=round(moved / (us * 1e-6) / 1e12, 3), us_all_experts=round(us * E / chunk, 1))

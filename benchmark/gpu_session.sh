@@ -7,6 +7,8 @@
 #   bash benchmark/gpu_session.sh lut       # probes, no devicekit needed: activation-LUT GEMV (benchmark/lut_gemv_probe.py)
 #                                           # and the prefill dequantization alone (benchmark/dequant_sweep.py)
 #   bash benchmark/gpu_session.sh dequant   # kernel GPU tests + the prefill dequantization alone, CUDA vs Triton (no devicekit)
+#   bash benchmark/gpu_session.sh ubcq      # GPU kernel tests (every table kind) + ubcq vs bcq: MoE at 4 bits, M 1..2048,
+#                                           # and the prefill dequantization alone (no devicekit)
 #   bash benchmark/gpu_session.sh lutk      # CUDA LUT kernel: GPU tests + linear and MoE decode timings (no devicekit)
 #   bash benchmark/gpu_session.sh linear    # dense AP linear tests + benchmark/linear_bench.py (no devicekit needed)
 #   bash benchmark/gpu_session.sh serve     # server smoke test + bench_one_batch stock bf16 vs AP 4-bit experts vs
@@ -50,6 +52,17 @@ if [ "$stage" = dequant ]; then
   timeout 330 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_dequant_cuda.py tests/test_kernel_moe.py \
     tests/test_kernel_linear.py tests/test_kernel_lut.py 2>&1 | tail -15 | tee "$OUT/gpu_tests_dequant.txt"
   timeout 150 python3 benchmark/dequant_sweep.py --out "$OUT/dequant_sweep.json" --budget-s 90 2>&1 | tail -3
+fi
+
+if [ "$stage" = ubcq ]; then
+  # UBCQ_PARTS="tests bench" (split over two calls when the 10-minute limit is near)
+  parts=" ${UBCQ_PARTS:-tests bench} "
+  [[ $parts == *" tests "* ]] && timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_dequant_cuda.py \
+    tests/test_kernel_moe.py tests/test_kernel_linear.py tests/test_kernel_lut.py 2>&1 | tail -15 | tee "$OUT/gpu_tests_ubcq.txt"
+  [[ $parts == *" bench "* ]] || exit 0
+  timeout 200 python3 benchmark/kernel_bench.py --ms "${KB_MS:-1,4,16,64,256,2048}" --cases u4 --kinds bcq,ubcq \
+    --out "$OUT/kernel_ubcq.json" --time-budget-s "${KB_BUDGET:-150}" 2>&1 | tail -40 | tee "$OUT/kernel_ubcq.txt"
+  timeout 100 python3 benchmark/dequant_sweep.py --kinds bcq,ubcq --out "$OUT/dequant_ubcq.json" --budget-s 40 2>&1 | tail -2
 fi
 
 if [ "$stage" = prefill ]; then

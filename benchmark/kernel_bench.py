@@ -3,7 +3,7 @@
 
 Shapes: Qwen1.5-MoE-A2.7B experts (E60 top4 H2048 I1408) and Mixtral-8x7B experts (E8 top2 H4096 I14336),
 M in {1, 4, 16, 64, 256, 2048}; bitwidths: uniform 3/4/6/8 and a mixed per-block table averaging 4 bits;
-table kinds bcq (binary-coded, default) and kmeans (LUT). Random planes/tables at real shapes (speed does
+table kinds bcq (binary-coded, default), ubcq (one scale + offset per group) and kmeans (LUT). Random planes/tables at real shapes (speed does
 not depend on values); routing and inputs are drawn exactly as benchmark/sglang_moe_baseline.py draws
 them (same seeds), so the same experts are hit as in SGLang's run.
 
@@ -129,7 +129,8 @@ def ap_bytes(w13_bits, w2_bits, hit, model, kind) -> int:
     for e in hit:
         for q, n, k in ((w13_bits[e], 2 * I, H), (w2_bits[e], H, I)):
             planes = q * n * k // 8
-            table = (q + 1) * n * (k // GROUP) * 2 if kind == "bcq" else n * 2**q * 2
+            rows = {"bcq": q + 1, "ubcq": 2}.get(kind)  # grouped tables: rows of [N, K / G]; kmeans: [N, 2^q]
+            table = rows * n * (k // GROUP) * 2 if rows else n * 2**q * 2
             total += planes + table
     return total
 
@@ -318,12 +319,12 @@ def main() -> None:
                              weight_bytes=ap_bytes(b13, b2, hit, model, kind), cfg13=vars(c13), cfg2=vars(c2))
                     # "default" is what ap_fused_moe picks by itself (the headline); the others are the same
                     # call on the other kernels, same run
-                    lut_default = kind == "bcq" and prefer_lut(M, topk, E)
+                    lut_default = kind != "kmeans" and prefer_lut(M, topk, E)
                     r["default_kernel"] = "lut" if lut_default else "dequant" if c13.dequant_chunk else "tiles"
                     variants = [("default", dict(), c13, c2)]
                     if lut_default:
                         variants.append(("tiles", dict(configs=(c13, c2)), c13, c2))
-                    elif kind == "bcq" and c13.dequant_chunk == 0:
+                    elif kind != "kmeans" and c13.dequant_chunk == 0:
                         variants.append(("lut", dict(kernel="lut"), c13, c2))
                     if c13.dequant_chunk == 0 and M >= 64:
                         # below the prefill threshold, same run: the dequantize-then-GEMM path forced (where the

@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shift-kind", choices=("wiki", "news"), default="news")
     p.add_argument("--calib-tokens", type=int, default=4096, help="`pagedweight calibrate --tokens`")
     p.add_argument("--convert-calib-tokens", type=int, default=2048, help="`pagedweight convert --calib-tokens` (0: no --calib-text, uniform column weights)")
+    p.add_argument("--table-kind", choices=("bcq", "ubcq"), default="bcq",
+                   help="the binary-coded table kind PagedWeight and hotness plan over (budgets are its uniform "
+                   "bytes); bcq and kmeans are converted too and compared at uniform bitwidths")
     p.add_argument("--bcq-init", choices=("greedy", "uniform"), default="greedy",
                    help="`pagedweight convert --bcq-init` of the bcq checkpoint (sign planes: greedy or uniform grid)")
     p.add_argument("--stage-slack", type=float, default=None,
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = artifacts.ensure_model(cache, log, args.model_dir, args.threads)
     calib_text = artifacts.text_file(cache, args.calib_kind)
     ap, calib = artifacts.ensure_all(cache, log, model_dir, calib_text, args.calib_kind, args.convert_calib_tokens,
-                                     args.calib_tokens, args.seed, args.bcq_init)
+                                     args.calib_tokens, args.seed, args.bcq_init, args.table_kind)
     artifacts_s = time.perf_counter() - started
 
     config = ExperimentConfig(
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         bits=tuple(int(b) for b in args.bits.split(",")),
         extra_bits=tuple(float(b) for b in args.extra_bits.split(",") if b.strip()),
         refine=args.refine, progress=not args.quiet, memo_path=cache / ("measurements-shift.json" if args.only_shift else "measurements.json"),
-        only_shift=args.only_shift, stage_slack=args.stage_slack,
+        only_shift=args.only_shift, stage_slack=args.stage_slack, main_kind=args.table_kind,
     )
     command = "python benchmark/quality_curve.py" + ("" if argv is None and len(sys.argv) == 1 else
                                                      " " + " ".join(sys.argv[1:] if argv is None else argv))

@@ -32,9 +32,10 @@ def setup(tmp_path_factory):
     text = root / "calib.txt"
     text.write_text(TINY_CORPUS * 4)
     ap = {kind: convert_checkpoint(model_dir, root / f"ap-{kind}", table_kind=kind, bits_min=2, bits_max=BITS_MAX,
-                                   group_size=64, seed=0) for kind in ("bcq", "kmeans")}
-    calib = run_calibrate(str(model_dir), str(ap["bcq"]), str(text), str(root / "calibration.json"),
-                          CalibrateOptions(tokens=256, prompt_tokens=32), progress=False)
+                                   group_size=64, seed=0) for kind in ("bcq", "ubcq", "kmeans")}
+    calib = {kind: run_calibrate(str(model_dir), str(ap[kind]), str(text), str(root / f"calibration-{kind}.json"),
+                                 CalibrateOptions(tokens=256, prompt_tokens=32), progress=False)
+             for kind in ("bcq", "ubcq")}
     return model_dir, ap, calib
 
 
@@ -69,7 +70,7 @@ def test_plans_respect_budgets(setup):
 
     _, ap, calib = setup
     blocks = runtime_blocks(APCheckpoint.open(ap["bcq"]))
-    data = CalibrationData.load(calib)
+    data = CalibrationData.load(calib["bcq"])
     b3, b2 = bytes_of(blocks, uniform(blocks, 3)), bytes_of(blocks, uniform(blocks, 2))
     assert fresh_table(blocks).desired_bytes() == bytes_of(blocks, uniform(blocks, BITS_MAX))
     p = plan_to_budget(QualityPolicy(data), blocks, b3)
@@ -87,8 +88,8 @@ def test_calibration_of_an_older_format_is_not_reused(setup, tmp_path):
     from quality.artifacts import calibration_current
 
     _, _, calib = setup
-    assert calibration_current(Path(calib))
-    old = json.loads(Path(calib).read_text())
+    assert calibration_current(Path(calib["bcq"]))
+    old = json.loads(Path(calib["bcq"]).read_text())
     old["version"] = 1
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert not calibration_current(tmp_path / "old.json")
@@ -106,7 +107,8 @@ def test_report_helpers():
 
 def test_experiment_end_to_end(setup):
     model_dir, ap, calib = setup
-    cfg = ExperimentConfig(model_dir=model_dir, ap_dirs=ap, calibration=calib, calib_kind="wiki", shift_kind="news",
+    ap = {k: ap[k] for k in ("bcq", "kmeans")}
+    cfg = ExperimentConfig(model_dir=model_dir, ap_dirs=ap, calibration=calib["bcq"], calib_kind="wiki", shift_kind="news",
                            calib_tokens=64, seq_len=32, windows=2, bits=(3, 4), extra_bits=(3.5,), refine=1,
                            progress=False)
     r = run_experiment(cfg)
@@ -124,3 +126,24 @@ def test_experiment_end_to_end(setup):
     r.update(command="test", date="today", machine={"summary": "test"})
     text = markdown(r)
     assert "gap_closed_vs_uniform_3bit" in text and "Ablation" in text
+
+
+def test_experiment_plans_over_ubcq(setup):
+    """--table-kind ubcq: PagedWeight and hotness plan over the ubcq checkpoint (its calibration, its uniform
+    bytes as budgets); bcq and kmeans are measured at uniform bitwidths beside it."""
+    model_dir, ap, calib = setup
+    cfg = ExperimentConfig(model_dir=model_dir, ap_dirs=ap, calibration=calib["ubcq"], calib_kind="wiki",
+                           shift_kind="news", calib_tokens=64, seq_len=32, windows=2, bits=(3, 4), extra_bits=(),
+                           refine=0, progress=False, main_kind="ubcq")
+    r = run_experiment(cfg)
+    assert r["model"]["planned_table_kind"] == "ubcq"
+    for row in r["curve"]:
+        for name in ("pagedweight", "hotness"):
+            assert row[name]["bytes"] <= row["uniform_ubcq"]["bytes"]
+        # two fp16 per group instead of b + 1: fewer bytes than bcq at the same bitwidth
+        assert row["uniform_ubcq"]["bytes"] < row["uniform_bcq"]["bytes"]
+    assert "uniform 3-bit ubcq" in r["workload_shift"]["rows"]
+    assert r["headline_detail"]["uniform_3bit_ubcq_ppl"] == r["curve"][0]["uniform_ubcq"]["ppl"]
+    r.update(command="test", date="today", machine={"summary": "test"})
+    text = markdown(r)
+    assert "uniform ubcq ppl / KL" in text and "uniform bcq ppl / KL (its bytes)" in text

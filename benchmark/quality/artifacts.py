@@ -139,12 +139,14 @@ def calibration_current(path: Path) -> bool:
 
 def ensure_all(cache: Path, log: ArtifactLog, model_dir: Path, calib_text: Path, calib_kind: str,
                convert_tokens: int, calib_tokens: int, seed: int,
-               bcq_init: str = "greedy") -> tuple[dict[str, Path], Path]:
-    """Both conversions at once; calibration starts as soon as the bcq checkpoint exists."""
-    bcq, bcq_job = start_ap(cache, log, model_dir, "bcq", calib_text, convert_tokens, seed, bcq_init)
-    kmeans, kmeans_job = start_ap(cache, log, model_dir, "kmeans", calib_text, convert_tokens, seed)
-    bcq_job.wait()
-    calib, calib_job = start_calibration(log, model_dir, bcq, calib_text, calib_kind, calib_tokens)
-    kmeans_job.wait()
+               bcq_init: str = "greedy", main_kind: str = "bcq") -> tuple[dict[str, Path], Path]:
+    """The conversions (the planned kind `main_kind`, bcq and kmeans for comparison) at once; calibration
+    starts as soon as the main kind's checkpoint exists."""
+    kinds = [main_kind] + [k for k in ("bcq", "kmeans") if k != main_kind]
+    started = {k: start_ap(cache, log, model_dir, k, calib_text, convert_tokens, seed, bcq_init) for k in kinds}
+    started[main_kind][1].wait()
+    calib, calib_job = start_calibration(log, model_dir, started[main_kind][0], calib_text, calib_kind, calib_tokens)
+    for _, job in started.values():
+        job.wait()
     calib_job.wait()
-    return {"bcq": bcq, "kmeans": kmeans}, calib
+    return {k: out for k, (out, _) in started.items()}, calib

@@ -32,8 +32,8 @@ from .traffic import RecordedTraffic, TrafficRecorder, record_traffic
 @dataclass
 class ExperimentConfig:
     model_dir: Path
-    ap_dirs: dict  # table kind -> AP checkpoint dir ("bcq" required; "kmeans" optional)
-    calibration: Path  # calibration.json for the bcq checkpoint
+    ap_dirs: dict  # table kind -> AP checkpoint dir (main_kind required; others are compared at uniform bits)
+    calibration: Path  # calibration.json for the main_kind checkpoint
     calib_kind: str = "wiki"
     shift_kind: str | None = "news"
     calib_tokens: int = 8192
@@ -46,6 +46,7 @@ class ExperimentConfig:
     memo_path: Path | None = None  # persisted measurements (resume); None: in memory only
     only_shift: bool = False  # measure only the workload-shift section (can run beside a main run)
     stage_slack: float | None = None  # QualityOptions.stage_slack of every quality-policy run; None: its default
+    main_kind: str = "bcq"  # the table kind PagedWeight and hotness plan over; budgets are its uniform bytes
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Evaluator:
     progress: bool
     memo_path: Path | None = None
     identity: str = ""
+    main_kind: str = "bcq"  # the kind measured when none is named (the planned kind)
     memo: dict = field(default_factory=dict)
     evaluations: int = 0
     reused: int = 0
@@ -74,7 +76,8 @@ class Evaluator:
         if self.memo_path is not None and Path(self.memo_path).is_file():
             self.memo = json.loads(Path(self.memo_path).read_text())
 
-    def measure(self, ts: TextSet, assignment: dict, kind: str = "bcq") -> dict:
+    def measure(self, ts: TextSet, assignment: dict, kind: str | None = None) -> dict:
+        kind = kind or self.main_kind
         body = json.dumps([self.identity, ts.kind, hashlib.sha256(ts.ids.numpy().tobytes()).hexdigest(), kind,
                            sorted([list(k), int(b)] for k, b in assignment.items())])
         key = hashlib.sha256(body.encode()).hexdigest()
@@ -142,17 +145,18 @@ def run_experiment(cfg: ExperimentConfig, on_section=None) -> dict:
     for c in ckpts.values():
         c.check_model_config(hf_config)
     blocks = {k: runtime_blocks(c) for k, c in ckpts.items()}
-    bcq = blocks["bcq"]
-    calib = load_for_checkpoint(ckpts["bcq"].directory, cfg.calibration)
+    main_kind = cfg.main_kind
+    planned_blocks = blocks[main_kind]  # the planned kind's blocks (bcq or ubcq)
+    calib = load_for_checkpoint(ckpts[main_kind].directory, cfg.calibration)
     bank = ExpertBank(model, ckpts)
     identity = json.dumps([str(model_dir.resolve()),
                            {k: hashlib.sha256((Path(c.directory) / "manifest.json").read_bytes()).hexdigest()
                             for k, c in ckpts.items()}])
-    ev = Evaluator(model, bank, cfg.progress, cfg.memo_path, identity)
-    bf16_bytes = sum(spec.out_features * spec.in_features * 2 for _, spec in bcq)
+    ev = Evaluator(model, bank, cfg.progress, cfg.memo_path, identity, main_kind=main_kind)
+    bf16_bytes = sum(spec.out_features * spec.in_features * 2 for _, spec in planned_blocks)
 
     if cfg.only_shift:
-        return _shift_only(cfg, model, bank, tokenizer, calib, bcq, ev, bf16_bytes, out)
+        return _shift_only(cfg, model, bank, tokenizer, calib, planned_blocks, ev, bf16_bytes, out)
     main = _text_set(model, bank, tokenizer, cfg.calib_kind, cfg)
     calib_windows = max(1, cfg.calib_tokens // cfg.seq_len)
     calib_ids = token_windows(tokenizer, texts.calibration_text(cfg.calib_kind), cfg.seq_len, calib_windows)
@@ -164,7 +168,7 @@ def run_experiment(cfg: ExperimentConfig, on_section=None) -> dict:
                              observer_from.served.observer() if observer_from is not None else None)
 
     bf16 = _point(ev.measure(main, {}), bytes_=bf16_bytes)
-    budgets = {b: bytes_of(bcq, uniform(bcq, b)) for b in sorted({2, *cfg.bits})}
+    budgets = {b: bytes_of(planned_blocks, uniform(planned_blocks, b)) for b in sorted({2, *cfg.bits})}
 
     # ---- curves at equal bytes -----------------------------------------------------------------
     curve = []
@@ -174,18 +178,19 @@ def run_experiment(cfg: ExperimentConfig, on_section=None) -> dict:
         for kind in blocks:
             a = uniform(blocks[kind], b)
             row[f"uniform_{kind}"] = _point(ev.measure(main, a, kind), bytes_=bytes_of(blocks[kind], a))
-        planned = plan_to_budget(quality(), bcq, budgets[b])
+        planned = plan_to_budget(quality(), planned_blocks, budgets[b])
         row["pagedweight"] = _point(ev.measure(main, planned.assignment), planned)
         pw_points.append({"bits": b, **row["pagedweight"]})
-        planned = plan_to_budget(HotnessPolicy(), bcq, budgets[b], hot_obs)
+        planned = plan_to_budget(HotnessPolicy(), planned_blocks, budgets[b], hot_obs)
         row["hotness"] = _point(ev.measure(main, planned.assignment), planned)
-        row["pagedweight_gap_closed"] = gap_closed(row["uniform_bcq"]["ppl"], row["pagedweight"]["ppl"], bf16["ppl"])
-        row["hotness_gap_closed"] = gap_closed(row["uniform_bcq"]["ppl"], row["hotness"]["ppl"], bf16["ppl"])
+        u = row[f"uniform_{main_kind}"]
+        row["pagedweight_gap_closed"] = gap_closed(u["ppl"], row["pagedweight"]["ppl"], bf16["ppl"])
+        row["hotness_gap_closed"] = gap_closed(u["ppl"], row["hotness"]["ppl"], bf16["ppl"])
         curve.append(row)
-        print(f"[quality] {b}-bit: uniform bcq {row['uniform_bcq']['ppl']:.3f}, PagedWeight {row['pagedweight']['ppl']:.3f}, "
+        print(f"[quality] {b}-bit: uniform {main_kind} {u['ppl']:.3f}, PagedWeight {row['pagedweight']['ppl']:.3f}, "
               f"hotness {row['hotness']['ppl']:.3f}, bf16 {bf16['ppl']:.3f}", flush=True)
 
-    n_params = sum(spec.out_features * spec.in_features for _, spec in bcq)
+    n_params = sum(spec.out_features * spec.in_features for _, spec in planned_blocks)
     section(
         headline={"gap_closed_vs_uniform_3bit": curve[0]["pagedweight_gap_closed"] if cfg.bits[0] == 3 else None,
                   "memory_saving_at_bf16_equivalent": None},
@@ -195,6 +200,7 @@ def run_experiment(cfg: ExperimentConfig, on_section=None) -> dict:
                            f"{hf_config.get('num_local_experts')} experts (top-{hf_config.get('num_experts_per_tok')}), "
                            f"expert width {hf_config.get('intermediate_size')}, {n_params:,} expert weights",
             "ap_dirs": {k: str(v) for k, v in cfg.ap_dirs.items()},
+            "planned_table_kind": main_kind,
             "group_size": {k: sorted({spec.group_size for _, spec in v}) for k, v in blocks.items()},
             "calibration": str(cfg.calibration),
             "calibration_source": calib.source,
@@ -211,7 +217,7 @@ def run_experiment(cfg: ExperimentConfig, on_section=None) -> dict:
     extra = []
 
     def pw_at(bits_equiv: float) -> dict:
-        planned = plan_to_budget(quality(), bcq, _budget_at(budgets, bits_equiv, bcq))
+        planned = plan_to_budget(quality(), planned_blocks, _budget_at(budgets, bits_equiv, planned_blocks))
         p = {"bits": round(bits_equiv, 3), **_point(ev.measure(main, planned.assignment), planned)}
         extra.append(p)
         pw_points.append(p)
@@ -238,13 +244,13 @@ def run_experiment(cfg: ExperimentConfig, on_section=None) -> dict:
     b3 = budgets[min(cfg.bits)]
     spike = (budgets[2] + b3) // 2
     variants = {
-        "full": lambda: plan_to_budget(quality(), bcq, b3),
-        "w/o routing statistics": lambda: plan_to_budget(quality(use_routing_stats=False), bcq, b3),
-        "w/o prompt residual": lambda: plan_to_budget(quality(use_prompt_residual=False), bcq, b3),
-        "w/o global sensitivity": lambda: plan_to_budget(quality(use_global_sensitivity=False), bcq, b3),
-        "full, spike then relax": lambda: spike_then_relax(quality(), bcq, spike, b3),
-        "w/o page movement (spike then relax)": lambda: spike_then_relax(quality(use_page_movement=False), bcq, spike, b3),
-        "full, calibration statistics only (no online traffic)": lambda: plan_to_budget(quality(None), bcq, b3),
+        "full": lambda: plan_to_budget(quality(), planned_blocks, b3),
+        "w/o routing statistics": lambda: plan_to_budget(quality(use_routing_stats=False), planned_blocks, b3),
+        "w/o prompt residual": lambda: plan_to_budget(quality(use_prompt_residual=False), planned_blocks, b3),
+        "w/o global sensitivity": lambda: plan_to_budget(quality(use_global_sensitivity=False), planned_blocks, b3),
+        "full, spike then relax": lambda: spike_then_relax(quality(), planned_blocks, spike, b3),
+        "w/o page movement (spike then relax)": lambda: spike_then_relax(quality(use_page_movement=False), planned_blocks, spike, b3),
+        "full, calibration statistics only (no online traffic)": lambda: plan_to_budget(quality(None), planned_blocks, b3),
     }
     ablation_rows = {}
     full_assignment = None
@@ -254,17 +260,17 @@ def run_experiment(cfg: ExperimentConfig, on_section=None) -> dict:
             full_assignment = planned.assignment
         ablation_rows[name] = _point(ev.measure(main, planned.assignment), planned,
                                      same_assignment_as_full=planned.assignment == full_assignment)
-    u3 = curve[0]["uniform_bcq"]["ppl"]
+    u3 = curve[0][f"uniform_{main_kind}"]["ppl"]
     for p in ablation_rows.values():
         p["gap_closed"] = gap_closed(u3, p["ppl"], bf16["ppl"])
     section(ablation={"budget_bytes": b3, "spike_budget_bytes": spike, "rows": ablation_rows})
 
-    shift = _workload_shift(cfg, model, bank, tokenizer, calib, bcq, ev, bf16_bytes, b3) if cfg.shift_kind else None
+    shift = _workload_shift(cfg, model, bank, tokenizer, calib, planned_blocks, ev, bf16_bytes, b3) if cfg.shift_kind else None
 
     out["evaluation"]["evaluations"] = ev.evaluations
     out["evaluation"]["evaluations_reused_from_cache"] = ev.reused
     out["headline_detail"] = {
-        "uniform_3bit_bcq_ppl": curve[0]["uniform_bcq"]["ppl"],
+        f"uniform_3bit_{main_kind}_ppl": curve[0][f"uniform_{main_kind}"]["ppl"],
         "pagedweight_3bit_budget_ppl": curve[0]["pagedweight"]["ppl"],
         "bf16_ppl": bf16["ppl"],
         "bf16_equivalent_point": best,
@@ -276,9 +282,9 @@ def run_experiment(cfg: ExperimentConfig, on_section=None) -> dict:
     return out
 
 
-def _shift_only(cfg, model, bank, tokenizer, calib, bcq, ev, bf16_bytes, out) -> dict:
-    b3 = bytes_of(bcq, uniform(bcq, min(cfg.bits)))
-    out["workload_shift"] = _workload_shift(cfg, model, bank, tokenizer, calib, bcq, ev, bf16_bytes, b3)
+def _shift_only(cfg, model, bank, tokenizer, calib, planned_blocks, ev, bf16_bytes, out) -> dict:
+    b3 = bytes_of(planned_blocks, uniform(planned_blocks, min(cfg.bits)))
+    out["workload_shift"] = _workload_shift(cfg, model, bank, tokenizer, calib, planned_blocks, ev, bf16_bytes, b3)
     out["complete"] = False
     return out
 
@@ -287,21 +293,22 @@ def _slack(cfg: ExperimentConfig) -> dict:
     return {} if cfg.stage_slack is None else {"stage_slack": cfg.stage_slack}
 
 
-def _workload_shift(cfg, model, bank, tokenizer, calib, bcq, ev, bf16_bytes, b3) -> dict:
+def _workload_shift(cfg, model, bank, tokenizer, calib, planned_blocks, ev, bf16_bytes, b3) -> dict:
     def quality(observer_from=None, **options) -> QualityPolicy:
         return QualityPolicy(calib, QualityOptions(**_slack(cfg), **options),
                              observer_from.served.observer() if observer_from is not None else None)
 
     ts = _text_set(model, bank, tokenizer, cfg.shift_kind, cfg)
     rows = {"bf16": _point(ev.measure(ts, {}), bytes_=bf16_bytes)}
-    rows["uniform 3-bit bcq"] = _point(ev.measure(ts, uniform(bcq, min(cfg.bits))), bytes_=b3)
-    offline = plan_to_budget(quality(None), bcq, b3)
+    u3_name = f"uniform 3-bit {ev.main_kind}"
+    rows[u3_name] = _point(ev.measure(ts, uniform(planned_blocks, min(cfg.bits))), bytes_=b3)
+    offline = plan_to_budget(quality(None), planned_blocks, b3)
     rows["PagedWeight, calibration statistics only"] = _point(ev.measure(ts, offline.assignment), offline)
     online_policy = quality(ts)
-    online = plan_to_budget(online_policy, bcq, b3)
+    online = plan_to_budget(online_policy, planned_blocks, b3)
     rows["PagedWeight, online statistics from the served text"] = _point(ev.measure(ts, online.assignment), online)
     for p in rows.values():
-        p["gap_closed"] = gap_closed(rows["uniform 3-bit bcq"]["ppl"], p["ppl"], rows["bf16"]["ppl"])
+        p["gap_closed"] = gap_closed(rows[u3_name]["ppl"], p["ppl"], rows["bf16"]["ppl"])
     served_mass = _masses(ts.served.traffic.routing.weight_sums)
     calib_mass = np.asarray(calib.routing_mass)
     online_mass = online_policy.stats.mass()

@@ -29,6 +29,8 @@ def _fmt(x, digits=4):
 def markdown(results: dict) -> str:
     h = results["headline"]
     bf16 = results["bf16"]
+    main = results["model"].get("planned_table_kind", "bcq")
+    others = [k.removeprefix("uniform_") for k in results["curve"][0] if k.startswith("uniform_") and k != f"uniform_{main}"]
     lines = [
         "# Quality vs memory: PagedWeight on the MoEfied SmolLM2-135M (real trained weights)",
         "",
@@ -48,18 +50,21 @@ def markdown(results: dict) -> str:
         "",
         "## Curve (equal bytes per row)",
         "",
-        "PagedWeight columns: quality policy, bcq, planned to the uniform bcq row's bytes (`within_budget` in the JSON).",
+        f"PagedWeight columns: quality policy, {main}, planned to the uniform {main} row's bytes (`within_budget` in "
+        "the JSON). Other table kinds at the same bitwidth, with their own bytes, for comparison.",
         "",
-        "| budget | bytes | % of bf16 | uniform bcq ppl / KL | uniform kmeans ppl / KL (its bytes) | PagedWeight ppl / KL | hotness ppl / KL |",
-        "|---|---|---|---|---|---|---|",
-        f"| bf16 | {bf16['bytes']:,} | 100% | {_fmt(bf16['ppl'])} / {_fmt(bf16['kl'])} | | | |",
+        f"| budget | bytes | % of bf16 | uniform {main} ppl / KL | "
+        + "".join(f"uniform {k} ppl / KL (its bytes) | " for k in others) + "PagedWeight ppl / KL | hotness ppl / KL |",
+        "|---|---|---|---|" + "---|" * len(others) + "---|---|",
+        f"| bf16 | {bf16['bytes']:,} | 100% | {_fmt(bf16['ppl'])} / {_fmt(bf16['kl'])} | " + "| " * len(others) + "| |",
     ]
     for row in results["curve"]:
-        u, k, pw, ho = row["uniform_bcq"], row.get("uniform_kmeans"), row["pagedweight"], row.get("hotness")
-        kcell = f"{_fmt(k['ppl'])} / {_fmt(k['kl'])} ({k['bytes']:,})" if k else ""
+        u, pw, ho = row[f"uniform_{main}"], row["pagedweight"], row.get("hotness")
+        cells = "".join(f"{_fmt(k['ppl'])} / {_fmt(k['kl'])} ({k['bytes']:,}) | " if (k := row.get(f"uniform_{o}")) else " | "
+                        for o in others)
         hcell = f"{_fmt(ho['ppl'])} / {_fmt(ho['kl'])}" if ho else ""
         lines.append(f"| {row['bits']}-bit | {u['bytes']:,} | {100 * u['bytes'] / bf16['bytes']:.1f}% | "
-                     f"{_fmt(u['ppl'])} / {_fmt(u['kl'])} | {kcell} | {_fmt(pw['ppl'])} / {_fmt(pw['kl'])} | {hcell} |")
+                     f"{_fmt(u['ppl'])} / {_fmt(u['kl'])} | {cells}{_fmt(pw['ppl'])} / {_fmt(pw['kl'])} | {hcell} |")
     if results.get("extra_budgets"):
         lines += ["", "Extra PagedWeight budgets (search for the bf16-equivalent point):", "",
                   "| budget (avg bits equiv.) | bytes | saving vs bf16 | ppl | KL | within 1% of bf16 |", "|---|---|---|---|---|---|"]
@@ -67,7 +72,7 @@ def markdown(results: dict) -> str:
             lines.append(f"| {p['bits']} | {p['bytes']:,} | {100 * (1 - p['bytes'] / bf16['bytes']):.1f}% | "
                          f"{_fmt(p['ppl'])} | {_fmt(p['kl'])} | {'yes' if p['ppl'] <= 1.01 * bf16['ppl'] else 'no'} |")
     if results.get("ablation"):
-        lines += ["", f"## Ablation at the uniform 3-bit bcq budget ({results['ablation']['budget_bytes']:,} B)", "",
+        lines += ["", f"## Ablation at the uniform 3-bit {main} budget ({results['ablation']['budget_bytes']:,} B)", "",
                   "| variant | ppl | KL | bytes | gap closed | same plan as full |", "|---|---|---|---|---|---|"]
         for name, p in results["ablation"]["rows"].items():
             lines.append(f"| {name} | {_fmt(p['ppl'])} | {_fmt(p['kl'])} | {p['bytes']:,} | {_fmt(p.get('gap_closed'), 3)} | "
@@ -75,7 +80,7 @@ def markdown(results: dict) -> str:
     ws = results.get("workload_shift")
     if ws:
         lines += ["", f"## Workload shift: calibrated on {ws['calibration_kind']}, served/evaluated on {ws['evaluation_kind']} "
-                  f"(budget = uniform 3-bit bcq bytes)", "", "| variant | ppl | KL | gap closed |", "|---|---|---|---|"]
+                  f"(budget = uniform 3-bit {main} bytes)", "", "| variant | ppl | KL | gap closed |", "|---|---|---|---|"]
         for name, p in ws["rows"].items():
             lines.append(f"| {name} | {_fmt(p['ppl'])} | {_fmt(p['kl'])} | {_fmt(p.get('gap_closed'), 3)} |")
         ad = ws["routing_adaptation"]
@@ -94,7 +99,7 @@ METHOD = """## Method (how each run maps to the offline setting)
 - Every PagedWeight / hotness point starts a fresh page table with every block (layer, expert, w13|w2) at the
   parent 8 bits and asks `policy.plan(table, target_bytes = bytes_now - budget, observation)`; the plan's
   target bitwidths are decoded from the AP checkpoint and written into the transformers model's experts.
-  The budget is the uniform bcq point's bytes (planes + tables), so every row of the curve is at equal
+  The budget is the uniform point's bytes (planes + tables) of the planned table kind, so every row of the curve is at equal
   memory; a plan never exceeds it (`within_budget` in the JSON). Floors are the policy's own.
 - Online traffic: the quality policy gets a `RoutingObserver` fed with the routing weights and routed-input
   norms of the served (evaluated) text from the bf16 forward, i.e. what the MoE forward records while it
