@@ -32,6 +32,7 @@ from dataclasses import replace
 
 import torch
 
+from pagedweight.format.layout import DEFAULT_TABLE_KIND
 from pagedweight.kernels import APKernelConfig, ap_fused_moe
 from pagedweight.kernels.config import default_moe_configs, prefer_lut
 from pagedweight.kernels.sglang_dense_moe import sglang_moe_configs
@@ -224,7 +225,8 @@ def main() -> None:
     ap.add_argument("--models", default="qwen15moe,mixtral")
     ap.add_argument("--ms", default=",".join(map(str, DEFAULT_MS)))
     ap.add_argument("--cases", default="u3,u4,u6,u8,mix4")
-    ap.add_argument("--kinds", default="bcq,kmeans")
+    ap.add_argument("--kinds", default=f"{DEFAULT_TABLE_KIND},bcq,kmeans",
+                    help=f"table kinds; the headline is the converter's default ({DEFAULT_TABLE_KIND})")
     ap.add_argument("--sweep", action="store_true", help="also time alternative launch configs (bcq, 4 bits)")
     ap.add_argument("--sweep-ms", default="1,16,256,2048", help="M values the sweep covers")
     ap.add_argument("--no-asm-case", action="store_true", help="also time the plain-Triton (no inline PTX) build at 4 bits")
@@ -257,6 +259,7 @@ def main() -> None:
         timing="whole ap_fused_moe call (align + w13 + w2 + cast) in one CUDA graph, L2 flushed per rep, median",
         bytes="planes + tables of the hit experts at their committed bitwidths (w13 and w2)",
         mix4=f"per-expert bitwidths cycling {MIX_PATTERN} (w2 shifted by 3), mean 4",
+        headline_table_kind=DEFAULT_TABLE_KIND,
     )
     results, sweeps, checks = [], [], []
 
@@ -433,7 +436,8 @@ def load_baseline(path: str) -> dict:
     return dict(meta={k: doc.get("meta", {}).get(k) for k in ("gpu", "sglang", "triton", "torch")}, graph_us=rows)
 
 
-def _ap_us(results, model, M, kind="bcq", case="u4"):
+def _ap_us(results, model, M, kind=None, case="u4"):
+    kind = kind or DEFAULT_TABLE_KIND
     for r in results:
         if (r.get("impl") == "ap" and r["model"] == model and r["M"] == M and r["kind"] == kind and r["case"] == case
                 and r.get("variant") == "default" and r.get("status") == "ok"):

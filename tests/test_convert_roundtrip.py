@@ -237,7 +237,8 @@ def test_cli_bcq_init_uniform_is_recorded_and_served_like_any_bcq(models, tmp_pa
     """--bcq-init uniform: same layout (the reader and kernels do not care), lower fit error, the choice in
     the manifest; refused for k-means tables."""
     greedy, uniform = tmp_path / "greedy", tmp_path / "uniform"
-    base = ["convert", "--model", str(models["mixtral"]), "--bits-min", "2", "--bits-max", "6", "--group-size", "32"]
+    base = ["convert", "--model", str(models["mixtral"]), "--bits-min", "2", "--bits-max", "6", "--group-size", "32",
+            "--table-kind", "bcq"]
     assert cli_main([*base, "--out", str(greedy)]) == 0
     assert cli_main([*base, "--out", str(uniform), "--bcq-init", "uniform"]) == 0
     manifest = json.loads((uniform / "pagedweight" / "manifest.json").read_text())
@@ -254,7 +255,7 @@ def test_cli_bcq_init_uniform_is_recorded_and_served_like_any_bcq(models, tmp_pa
             err[bits][1] += float((b.block(name).dequantize(bits) - w).square().sum())
     assert all(e_uniform < e_greedy for e_greedy, e_uniform in err.values()), err
     capsys.readouterr()
-    assert cli_main([*base, "--out", str(tmp_path / "km"), "--table-kind", "kmeans", "--bcq-init", "uniform"]) == 2
+    assert cli_main([*base[:-2], "--out", str(tmp_path / "km"), "--table-kind", "kmeans", "--bcq-init", "uniform"]) == 2
     assert "--bcq-init uniform applies to --table-kind bcq only" in capsys.readouterr().err
 
 

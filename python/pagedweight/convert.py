@@ -27,7 +27,7 @@ from tqdm import tqdm
 from pagedweight.format.arch import DENSE_LINEAR, EXPERT_NAME_HINTS, PROJS, SHARED, ArchAdapter, BlockKey, adapter_for, block_name
 from pagedweight.format.bcq import BCQ_INITS
 from pagedweight.format.checkpoint import APCheckpointWriter
-from pagedweight.format.layout import TABLE_KINDS, is_grouped
+from pagedweight.format.layout import DEFAULT_TABLE_KIND, TABLE_KINDS, is_grouped
 from pagedweight.format.manifest import AP_SUBDIR, ModelInfo
 from pagedweight.format.quantize import effective_group_size, quantize_block
 
@@ -45,7 +45,7 @@ class ConversionError(ValueError):
 
 @dataclass(frozen=True)
 class ConvertOptions:
-    table_kind: str = "bcq"
+    table_kind: str = DEFAULT_TABLE_KIND
     bits_min: int = 2
     bits_max: int = 8
     group_size: int = 128
@@ -420,9 +420,10 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("convert", help="convert a Hugging Face MoE checkpoint to an AP checkpoint")
     parser.add_argument("--model", required=True, type=Path, help="Hugging Face model directory (safetensors)")
     parser.add_argument("--out", required=True, type=Path, help="output directory (must not exist or be empty)")
-    parser.add_argument("--table-kind", choices=TABLE_KINDS, default="bcq",
-                        help="bcq: binary-coded planes + b+1 scales per group (default); ubcq: uniform-grid planes + "
-                        "one scale and offset per group (smallest tables); kmeans: Any-Precision LLM LUTs")
+    parser.add_argument("--table-kind", choices=TABLE_KINDS, default=DEFAULT_TABLE_KIND,
+                        help=f"ubcq: uniform-grid sign planes + one scale and offset per group (smallest tables); bcq: "
+                        f"binary-coded planes + b+1 least-squares scales per group; kmeans: Any-Precision LLM LUTs "
+                        f"(default {DEFAULT_TABLE_KIND})")
     parser.add_argument("--bits-min", type=int, default=2, help="seed bitwidth (lowest servable), default 2")
     parser.add_argument("--bits-max", type=int, default=8, help="parent bitwidth (planes stored), default 8")
     parser.add_argument("--group-size", type=int, default=128,

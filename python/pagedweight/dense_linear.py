@@ -227,23 +227,23 @@ class CheckpointDenseSource:
 
 
 class DummyDenseSource:
-    """Random binary-coded planes at the rank's shard shape (like SGLang's --load-format dummy)."""
+    """Random binary-coded planes (the default table kind) at the rank's shard shape (like SGLang's
+    --load-format dummy)."""
 
     def has_blocks(self, names: tuple[str, ...]) -> bool:
         return all(is_dense_ap_name(n) for n in names)
 
     def load(self, layer: torch.nn.Module, prefix: str, names: tuple[str, ...], bits: int,
              device: torch.device) -> DenseAPWeights:
-        from pagedweight.layer_sources import group_size_for
+        from pagedweight.format.layout import DEFAULT_TABLE_KIND
+        from pagedweight.layer_sources import dummy_table, group_size_for
 
         n, k = _local_shape(layer)
         group = group_size_for(k)
         gen = torch.Generator().manual_seed(zlib.crc32(prefix.encode()))  # same planes on every run and rank
         planes = torch.randint(0, 256, (bits, n, k // 8), dtype=torch.uint8, generator=gen)
-        table = torch.zeros(bits + 1, n, k // group, dtype=torch.float16)
-        for p in range(bits):  # geometric scales like a fitted binary code of N(0, 0.02) weights; offset 0
-            table[p] = 0.02 * 0.5**p
-        return _to_device_weights(prefix, bits, "bcq", group, planes, table, device)
+        table = dummy_table(DEFAULT_TABLE_KIND, bits, n, k // group)
+        return _to_device_weights(prefix, bits, DEFAULT_TABLE_KIND, group, planes, table, device)
 
 
 def _drop_weight(param: torch.nn.Parameter, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from pagedweight.config import PagedWeightConfig
-from pagedweight.format.layout import BlockSpec
+from pagedweight.format.layout import DEFAULT_TABLE_KIND, BlockSpec
 from pagedweight.moe_method import LayerSource
 from pagedweight.runtime.expert_store import ExpertPlanes, MoELayerStore, ProjectionStore
 
@@ -38,6 +38,18 @@ def layer_source_for(server_args: Any, cfg: PagedWeightConfig) -> LayerSource:
     return _SOURCES[key]
 
 
+def dummy_table(table_kind: str, bits: int, n: int, groups: int) -> torch.Tensor:
+    """A b-bit table like a fitted binary code of N(0, 0.02) weights (geometric plane scales, offset 0)."""
+    if table_kind == "ubcq":  # plane p's scale is t[0] * 2^(b-1-p): the top plane gets 0.02
+        t = torch.zeros(2, n, groups, dtype=torch.float16)
+        t[0] = 0.02 * 0.5 ** (bits - 1)
+        return t
+    t = torch.zeros(bits + 1, n, groups, dtype=torch.float16)
+    for p in range(bits):
+        t[p] = 0.02 * 0.5**p
+    return t
+
+
 def group_size_for(k: int, preferred: int = DUMMY_GROUP) -> int:
     g = preferred
     while g > 8 and k % g:
@@ -56,7 +68,8 @@ def layer_geometry(layer: torch.nn.Module) -> tuple[int, int, int]:
 
 
 class DummyLayerSource(LayerSource):
-    """Random binary-coded planes at the layer's real shapes (like SGLang's --load-format dummy).
+    """Random binary-coded planes (the default table kind) at the layer's real shapes (like SGLang's
+    --load-format dummy).
 
     Speed does not depend on weight values, so one random expert per projection is generated and shared
     by every expert's host copy; device planes are allocated per expert, so device memory is real.
@@ -66,16 +79,10 @@ class DummyLayerSource(LayerSource):
         self.cfg = cfg
 
     def _projection(self, name: str, n: int, k: int, experts: int, device: torch.device, seed: int) -> ProjectionStore:
-        spec = BlockSpec(n, k, DUMMY_BITS_MIN, DUMMY_BITS_MAX, "bcq", group_size_for(k))
+        spec = BlockSpec(n, k, DUMMY_BITS_MIN, DUMMY_BITS_MAX, DEFAULT_TABLE_KIND, group_size_for(k))
         gen = torch.Generator().manual_seed(seed)
         planes = torch.randint(0, 256, spec.planes_shape(), dtype=torch.uint8, generator=gen)
-        tables = {}
-        for b in spec.bitwidths:
-            t = torch.zeros(spec.table_shape(b), dtype=torch.float16)
-            # Geometric scales like a fitted binary code of N(0, 0.02) weights; offset 0.
-            for p in range(b):
-                t[p] = 0.02 * 0.5**p
-            tables[b] = _pin(t, device)
+        tables = {b: _pin(dummy_table(spec.table_kind, b, n, spec.num_groups), device) for b in spec.bitwidths}
         shared = ExpertPlanes(_pin(planes, device), tables)
         return ProjectionStore(name, name.rsplit(".", 1)[1], spec, [shared] * experts, device)
 

@@ -13,6 +13,10 @@ import torch
 
 TableKind = Literal["bcq", "kmeans", "ubcq"]
 TABLE_KINDS: tuple[str, ...] = ("bcq", "kmeans", "ubcq")
+# What `pagedweight convert` writes unless told otherwise, and what --load-format dummy serves: at equal bytes
+# ubcq fits Gaussian, heavy-tailed and trained weights better than bcq at group 32 and 128, and its decode
+# kernels read fewer table bytes (docs/results/quality.md, docs/results/kernel.md "Run 13").
+DEFAULT_TABLE_KIND = "ubcq"
 # Kinds whose tables are per (row, input group) and whose planes are +-1 signs: [rows, N, K // G] tables.
 GROUPED_KINDS: tuple[str, ...] = ("bcq", "ubcq")
 
