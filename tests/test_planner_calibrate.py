@@ -203,6 +203,7 @@ def _cli(argv):
 
 def test_calibrate_cli_end_to_end(converted, capsys):
     from pagedweight.format.checkpoint import APCheckpoint
+    from pagedweight.format.layout import DEFAULT_TABLE_KIND
     from pagedweight.planner.calibration import load_for_checkpoint
 
     model_dir, ap_dir, text = converted
@@ -211,7 +212,7 @@ def test_calibrate_cli_end_to_end(converted, capsys):
     assert rc == 0, capsys.readouterr().err
     ckpt = APCheckpoint.open(ap_dir)
     data = load_for_checkpoint(ckpt.directory)
-    assert (data.ap.bits_min, data.ap.bits_max, data.ap.table_kind) == (2, 4, "bcq")
+    assert (data.ap.bits_min, data.ap.bits_max, data.ap.table_kind) == (2, 4, DEFAULT_TABLE_KIND)
     # one w13 and one w2 sensitivity table per routed expert of every MoE layer
     want = {(layer, e, p) for layer in ckpt.layers() for e in ckpt.experts(layer) if isinstance(e, int)
             for p in ("w13", "w2")}
