@@ -21,7 +21,7 @@ from sglang.srt.layers.quantization.base_config import LinearMethodBase
 from sglang.srt.utils import set_weight_attrs
 
 from pagedweight.format.arch import DENSE_LINEAR
-from pagedweight.format.layout import is_grouped
+from pagedweight.format.layout import DEFAULT_TABLE_KIND, is_grouped
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +235,6 @@ class DummyDenseSource:
 
     def load(self, layer: torch.nn.Module, prefix: str, names: tuple[str, ...], bits: int,
              device: torch.device) -> DenseAPWeights:
-        from pagedweight.format.layout import DEFAULT_TABLE_KIND
         from pagedweight.layer_sources import dummy_table, group_size_for
 
         n, k = _local_shape(layer)

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedweight.format.block import QuantizedBlock, checked_weight, grouped_hessian, row_chunks
-from pagedweight.format.layout import TABLE_DTYPE, BlockSpec, pack_bits
+from pagedweight.format.block import QuantizedBlock, quantize_grouped
+from pagedweight.format.layout import TABLE_DTYPE, BlockSpec
 
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 
@@ -58,24 +58,8 @@ def quantize_bcq(
     """Quantize W[N, K] into bits_max binary planes and one [b + 1, N, K // G] table per bitwidth b."""
     if init not in BCQ_INITS:
         raise ValueError(f"bcq init must be one of {BCQ_INITS}, got {init!r}")
-    w = checked_weight(weight)
-    n_rows, k = w.shape
-    spec = BlockSpec(n_rows, k, bits_min, bits_max, "bcq", group_size)
-    h = grouped_hessian(hessian_diag, spec)
-
-    plane_chunks: list[torch.Tensor] = []
-    table_chunks: dict[int, list[torch.Tensor]] = {b: [] for b in spec.bitwidths}
-    fit_sse = dict.fromkeys(spec.bitwidths, 0.0)
-    for rows in row_chunks(n_rows, k * (bits_max + 2)):
-        fit = _fit_rows if init == "greedy" else _fit_rows_uniform
-        signs, tables, sse = fit(w[rows].reshape(-1, spec.num_groups, group_size), h, bits_min, bits_max)
-        plane_chunks.append(pack_bits(signs.reshape(bits_max, -1, k) > 0))
-        for b, table in tables.items():
-            table_chunks[b].append(table)
-            fit_sse[b] += sse[b]
-    planes = torch.cat(plane_chunks, dim=1)
-    tables = {b: torch.cat(t, dim=1) for b, t in table_chunks.items()}
-    return QuantizedBlock(spec, planes, tables, fit_sse)
+    return quantize_grouped(weight, lambda n, k: BlockSpec(n, k, bits_min, bits_max, "bcq", group_size),
+                            hessian_diag, _fit_rows if init == "greedy" else _fit_rows_uniform)
 
 
 def _fit_rows(

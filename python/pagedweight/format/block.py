@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from pagedweight.format.layout import PLANE_DTYPE, TABLE_DTYPE, BlockSpec, dequantize
+from pagedweight.format.layout import PLANE_DTYPE, TABLE_DTYPE, BlockSpec, dequantize, pack_bits
 
 # Added to the normalized Hessian diagonal (mean 1) so inputs that calibration never saw (h_j = 0) are
 # still fitted instead of being left to whatever minimizes the error elsewhere (cf. GPTQ's damping).
@@ -54,10 +55,32 @@ def checked_weight(weight: torch.Tensor) -> torch.Tensor:
     return w
 
 
-def grouped_hessian(hessian_diag: torch.Tensor | None, spec: BlockSpec) -> torch.Tensor:
-    """normalized_hessian_diag as float64 [groups, G] for the grouped quantizers (bcq, ubcq)."""
-    h = normalized_hessian_diag(hessian_diag, spec.in_features)
-    return h.to(torch.float64).reshape(spec.num_groups, spec.group_size)
+# fit(w [n, groups, G] float64, h [groups, G], bits_min, bits_max) -> (+-1 signs [bits_max, n, groups, G],
+# fp16 tables {b: [rows, n, groups]}, fitted SSE {b: float}): one chunk of rows of a grouped (bcq/ubcq) block
+GroupedFit = Callable[[torch.Tensor, torch.Tensor, int, int],
+                      tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, float]]]
+
+
+def quantize_grouped(weight: torch.Tensor, spec_of: Callable[[int, int], BlockSpec],
+                     hessian_diag: torch.Tensor | None, fit: GroupedFit) -> QuantizedBlock:
+    """The grouped quantizers' shared frame: check W, then fit it chunk of rows by chunk (bounded RAM) and
+    pack the signs into planes. `spec_of(N, K)` gives the block's spec (its kind and group size)."""
+    w = checked_weight(weight)
+    n_rows, k = w.shape
+    spec = spec_of(n_rows, k)
+    h = normalized_hessian_diag(hessian_diag, k).to(torch.float64).reshape(spec.num_groups, spec.group_size)
+    plane_chunks: list[torch.Tensor] = []
+    table_chunks: dict[int, list[torch.Tensor]] = {b: [] for b in spec.bitwidths}
+    fit_sse = dict.fromkeys(spec.bitwidths, 0.0)
+    for rows in row_chunks(n_rows, k * (spec.bits_max + 2)):
+        signs, tables, sse = fit(w[rows].reshape(-1, spec.num_groups, spec.group_size), h, spec.bits_min,
+                                 spec.bits_max)
+        plane_chunks.append(pack_bits(signs.reshape(spec.bits_max, -1, k) > 0))
+        for b, table in tables.items():
+            table_chunks[b].append(table)
+            fit_sse[b] += sse[b]
+    planes = torch.cat(plane_chunks, dim=1)
+    return QuantizedBlock(spec, planes, {b: torch.cat(t, dim=1) for b, t in table_chunks.items()}, fit_sse)
 
 
 def normalized_hessian_diag(hessian_diag: torch.Tensor | None, in_features: int) -> torch.Tensor:

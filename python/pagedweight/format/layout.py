@@ -13,6 +13,8 @@ import torch
 
 TableKind = Literal["bcq", "kmeans", "ubcq"]
 TABLE_KINDS: tuple[str, ...] = ("bcq", "kmeans", "ubcq")
+PLANE_DTYPE = torch.uint8
+TABLE_DTYPE = torch.float16
 # What `pagedweight convert` writes unless told otherwise, and what --load-format dummy serves: at equal bytes
 # ubcq fits Gaussian, heavy-tailed and trained weights better than bcq at group 32 and 128, and its decode
 # kernels read fewer table bytes (docs/results/quality.md, docs/results/kernel.md "Run 13").
@@ -29,8 +31,6 @@ def is_grouped(table_kind: str) -> bool:
 def uniform_scale_ladder(bits: int) -> torch.Tensor:
     """ubcq's plane multipliers 2^(bits-1-p), p = 0..bits-1 (float32): alpha_p = scale * ladder[p]."""
     return torch.pow(2.0, torch.arange(bits - 1, -1, -1, dtype=torch.float32))
-PLANE_DTYPE = torch.uint8
-TABLE_DTYPE = torch.float16
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from pagedweight.format.bcq import UNIFORM_ANCHOR_BITS, uniform_grid_signs
-from pagedweight.format.block import QuantizedBlock, checked_weight, grouped_hessian, row_chunks
-from pagedweight.format.layout import TABLE_DTYPE, BlockSpec, pack_bits
+from pagedweight.format.block import QuantizedBlock, quantize_grouped
+from pagedweight.format.layout import TABLE_DTYPE, BlockSpec
 
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 
@@ -37,29 +37,24 @@ def quantize_ubcq(
     hessian_diag: torch.Tensor | None = None,
 ) -> QuantizedBlock:
     """Quantize W[N, K] into bits_max uniform-grid sign planes and one [2, N, K // G] table per bitwidth."""
-    w = checked_weight(weight)
-    n_rows, k = w.shape
-    spec = BlockSpec(n_rows, k, bits_min, bits_max, "ubcq", group_size)
-    h = grouped_hessian(hessian_diag, spec)
+    return quantize_grouped(weight, lambda n, k: BlockSpec(n, k, bits_min, bits_max, "ubcq", group_size),
+                            hessian_diag, _fit_rows)
 
-    plane_chunks: list[torch.Tensor] = []
-    table_chunks: dict[int, list[torch.Tensor]] = {b: [] for b in spec.bitwidths}
-    fit_sse = dict.fromkeys(spec.bitwidths, 0.0)
-    for rows in row_chunks(n_rows, k * (bits_max + 2)):
-        wr = w[rows].reshape(-1, spec.num_groups, group_size)
-        signs = uniform_grid_signs(wr, bits_max, min(UNIFORM_ANCHOR_BITS, bits_max), levels_on_fine_codes=True)
-        plane_chunks.append(pack_bits(torch.stack(signs).reshape(bits_max, -1, k) > 0))
-        x = torch.zeros_like(wr)
-        for b in range(1, bits_max + 1):
-            x = 2 * x + signs[b - 1]  # x_b = sum_{p<b} 2^(b-1-p) s_p
-            if b < bits_min:
-                continue
-            table, approx = _fit_line(x, wr, h)
-            table_chunks[b].append(table)
-            fit_sse[b] += float((wr - approx).square().sum())
-    planes = torch.cat(plane_chunks, dim=1)
-    tables = {b: torch.cat(t, dim=1) for b, t in table_chunks.items()}
-    return QuantizedBlock(spec, planes, tables, fit_sse)
+
+def _fit_rows(
+    w: torch.Tensor, h: torch.Tensor, bits_min: int, bits_max: int
+) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, float]]:
+    """w [n, groups, G] float64, h [groups, G] -> signs [bits_max, n, groups, G] (+-1), fp16 tables, SSE."""
+    signs = uniform_grid_signs(w, bits_max, min(UNIFORM_ANCHOR_BITS, bits_max), levels_on_fine_codes=True)
+    tables: dict[int, torch.Tensor] = {}
+    sse: dict[int, float] = {}
+    x = torch.zeros_like(w)
+    for b in range(1, bits_max + 1):
+        x = 2 * x + signs[b - 1]  # x_b = sum_{p<b} 2^(b-1-p) s_p
+        if b >= bits_min:
+            tables[b], approx = _fit_line(x, w, h)
+            sse[b] = float((w - approx).square().sum())
+    return torch.stack(signs), tables, sse
 
 
 def _fit_line(x: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
