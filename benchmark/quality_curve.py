@@ -33,6 +33,8 @@ from quality import artifacts  # noqa: E402
 from quality.experiment import ExperimentConfig, run_experiment  # noqa: E402
 from quality.report import markdown  # noqa: E402
 
+from pagedweight.format.layout import DEFAULT_TABLE_KIND, GROUPED_KINDS  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -80,9 +82,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shift-kind", choices=("wiki", "news"), default="news")
     p.add_argument("--calib-tokens", type=int, default=4096, help="`pagedweight calibrate --tokens`")
     p.add_argument("--convert-calib-tokens", type=int, default=2048, help="`pagedweight convert --calib-tokens` (0: no --calib-text, uniform column weights)")
-    p.add_argument("--table-kind", choices=("bcq", "ubcq"), default="bcq",
+    p.add_argument("--table-kind", choices=GROUPED_KINDS, default=DEFAULT_TABLE_KIND,
                    help="the binary-coded table kind PagedWeight and hotness plan over (budgets are its uniform "
-                   "bytes); bcq and kmeans are converted too and compared at uniform bitwidths")
+                   f"bytes; default {DEFAULT_TABLE_KIND}, the converter's); bcq and kmeans are converted too and "
+                   "compared at uniform bitwidths")
     p.add_argument("--bcq-init", choices=("greedy", "uniform"), default="greedy",
                    help="`pagedweight convert --bcq-init` of the bcq checkpoint (sign planes: greedy or uniform grid)")
     p.add_argument("--stage-slack", type=float, default=None,
