@@ -9,6 +9,8 @@
 #   bash benchmark/gpu_session.sh dequant   # kernel GPU tests + the prefill dequantization alone, CUDA vs Triton (no devicekit)
 #   bash benchmark/gpu_session.sh ubcq      # GPU kernel tests (every table kind) + ubcq vs bcq: MoE at 4 bits, M 1..2048,
 #                                           # and the prefill dequantization alone (no devicekit)
+#   bash benchmark/gpu_session.sh mma       # CUDA tensor-core kernel (ubcq): GPU tests, then MoE timings beside the LUT
+#                                           # kernel and the tiles (MMA_PARTS="tests sweep bench", KB_MS, KB_CASES; no devicekit)
 #   bash benchmark/gpu_session.sh lutk      # CUDA LUT kernel: GPU tests + linear and MoE decode timings (no devicekit)
 #   bash benchmark/gpu_session.sh linear    # dense AP linear tests + benchmark/linear_bench.py (no devicekit needed)
 #   bash benchmark/gpu_session.sh serve     # server smoke test + bench_one_batch stock bf16 vs AP 4-bit experts vs
@@ -45,6 +47,22 @@ if [ "$stage" = kernels ]; then
   timeout "${KB_TIMEOUT:-330}" python3 benchmark/kernel_bench.py --baseline-json "$OUT/baseline.json" --ms "$ms" \
     --kinds "${KB_KINDS:-ubcq,bcq,kmeans}" --out "$OUT/kernel.json" --time-budget-s "${KB_BUDGET:-270}" 2>&1 | tail -40 \
     | tee "$OUT/kernel_bench.txt"
+fi
+
+if [ "$stage" = mma ]; then
+  parts=" ${MMA_PARTS:-tests bench} "
+  if [[ "$parts" == *" tests "* ]]; then
+    timeout "${MMA_TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -x tests/test_kernel_mma.py 2>&1 | tail -15 \
+      | tee "$OUT/gpu_tests_mma.txt"
+  fi
+  if [[ "$parts" == *" sweep "* ]]; then
+    timeout 200 python3 benchmark/mma_sweep.py --ms "${SWEEP_MS:-1,4,16,64}" --out "$OUT/mma_sweep.json" 2>&1 | tail -80
+  fi
+  if [[ "$parts" == *" bench "* ]]; then
+    timeout "${KB_TIMEOUT:-330}" python3 benchmark/kernel_bench.py --ms "${KB_MS:-1,4,16,64,256,512}" \
+      --cases "${KB_CASES:-u4,mix4}" --kinds ubcq --out "$OUT/kernel_mma.json" --time-budget-s "${KB_BUDGET:-270}" \
+      2>&1 | tail -60 | tee "$OUT/kernel_mma.txt"
+  fi
 fi
 
 if [ "$stage" = dequant ]; then

@@ -34,7 +34,7 @@ import torch
 
 from pagedweight.format.layout import DEFAULT_TABLE_KIND
 from pagedweight.kernels import APKernelConfig, ap_fused_moe
-from pagedweight.kernels.config import default_moe_configs, prefer_lut
+from pagedweight.kernels.config import default_moe_configs, prefer_lut, prefer_mma
 from pagedweight.kernels.sglang_dense_moe import sglang_moe_configs
 from pagedweight.kernels.reference import ap_fused_moe_reference
 from pagedweight.kernels.testing import random_ap_projection
@@ -322,13 +322,17 @@ def main() -> None:
                              weight_bytes=ap_bytes(b13, b2, hit, model, kind), cfg13=vars(c13), cfg2=vars(c2))
                     # "default" is what ap_fused_moe picks by itself (the headline); the others are the same
                     # call on the other kernels, same run
-                    lut_default = kind != "kmeans" and prefer_lut(M, topk, E)
-                    r["default_kernel"] = "lut" if lut_default else "dequant" if c13.dequant_chunk else "tiles"
+                    mma_default = kind == "ubcq" and prefer_mma(M, topk, E)
+                    lut_default = kind != "kmeans" and not mma_default and prefer_lut(M, topk, E)
+                    r["default_kernel"] = ("mma" if mma_default else "lut" if lut_default
+                                           else "dequant" if c13.dequant_chunk else "tiles")
                     variants = [("default", dict(), c13, c2)]
-                    if lut_default:
+                    if lut_default or mma_default:
                         variants.append(("tiles", dict(configs=(c13, c2)), c13, c2))
-                    elif kind != "kmeans" and c13.dequant_chunk == 0:
+                    if kind != "kmeans" and c13.dequant_chunk == 0 and not lut_default:
                         variants.append(("lut", dict(kernel="lut"), c13, c2))
+                    if kind == "ubcq" and not mma_default:
+                        variants.append(("mma", dict(kernel="mma"), c13, c2))
                     if c13.dequant_chunk == 0 and M >= 64:
                         # below the prefill threshold, same run: the dequantize-then-GEMM path forced (where the
                         # crossover DEQUANT_MIN_PAIRS_PER_EXPERT is read from)
@@ -358,7 +362,7 @@ def main() -> None:
                             variants.append((name, dict(configs=(v13, c2)), v13, c2))
                     for vname, kw, v13, v2 in variants:
                         rv = dict(r, variant=vname, cfg13=vars(v13), cfg2=vars(v2))
-                        if vname == "lut" or (vname == "default" and r["default_kernel"] == "lut"):
+                        if vname in ("lut", "mma") or (vname == "default" and r["default_kernel"] in ("lut", "mma")):
                             del rv["cfg13"], rv["cfg2"]  # the tile configs do not apply to the LUT kernel
                         try:
                             if v13.dequant_chunk > 0 and v13.dense_gemm == "sglang":

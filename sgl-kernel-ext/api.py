@@ -2,9 +2,10 @@
 
 Set `backend="triton"` to run the Triton kernels on CPU tensors (only under TRITON_INTERPRET=1, for
 tests); `backend="reference"` forces the torch oracle on any device. On CUDA, `kernel` picks between the
-Triton tile kernels and the CUDA activation-side-table kernel for bcq planes at decode sizes
-(cuda_lut.py): "auto" takes the LUT kernel where it is eligible and measured faster, "lut" demands it
-(an ineligible block raises, naming why). No path falls back silently: an unsupported combination raises.
+Triton tile kernels, the CUDA activation-side-table kernel for binary-coded planes at decode sizes
+(cuda_lut.py) and the CUDA tensor-core kernel for ubcq planes at small batches (cuda_mma.py): "auto" takes
+a CUDA kernel where it is eligible and measured faster, "lut" / "mma" demand one (an ineligible block
+raises, naming why). No path falls back silently: an unsupported combination raises.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from pagedweight.kernels.config import (
     default_linear_config,
     default_moe_configs,
     prefer_lut,
+    prefer_mma,
+    prefer_mma_linear,
 )
 from pagedweight.kernels.reference import ap_fused_moe_reference, ap_linear_reference, check_moe_args
 from pagedweight.kernels.weights import APMoEWeights
 
 Backend = Literal["auto", "triton", "reference"]
-Kernel = Literal["auto", "tiles", "lut"]
+Kernel = Literal["auto", "tiles", "lut", "mma"]
 
 
 def triton_interpreting() -> bool:
@@ -49,25 +52,29 @@ def _pick_backend(t: torch.Tensor, backend: Backend) -> str:
 
 
 def _check_kernel(kernel: Kernel, path: str) -> None:
-    if kernel not in ("auto", "tiles", "lut"):
-        raise ValueError(f"kernel must be 'auto', 'tiles' or 'lut', got {kernel!r}")
-    if kernel == "lut" and path == "reference":
-        raise ValueError("kernel='lut' cannot run: it is a CUDA kernel and the inputs are not on a CUDA device "
+    if kernel not in ("auto", "tiles", "lut", "mma"):
+        raise ValueError(f"kernel must be 'auto', 'tiles', 'lut' or 'mma', got {kernel!r}")
+    if kernel in ("lut", "mma") and path == "reference":
+        raise ValueError(f"kernel={kernel!r} cannot run: it is a CUDA kernel and the inputs are not on a CUDA device "
                          "(or backend='reference' was asked for)")
 
 
-def _use_lut(kernel: Kernel, on_cuda: bool, weights: tuple[APMoEWeights, ...], wins: bool, explicit_config: bool) -> bool:
-    """Whether the CUDA LUT kernel runs (kernel="lut" raises where it cannot)."""
-    if kernel == "tiles":
+def _use_cuda_kernel(name: str, kernel: Kernel, on_cuda: bool, weights: tuple[APMoEWeights, ...], wins: bool,
+                     explicit_config: bool) -> bool:
+    """Whether the CUDA kernel `name` ("lut" or "mma") runs (kernel=name raises where it cannot)."""
+    if kernel not in ("auto", name):
         return False
-    from pagedweight.kernels.cuda_lut import lut_unsupported
+    if name == "lut":
+        from pagedweight.kernels.cuda_lut import lut_unsupported as unsupported
+    else:
+        from pagedweight.kernels.cuda_mma import mma_unsupported as unsupported
 
     why = "it is a CUDA kernel and the inputs are not on a CUDA device" if not on_cuda else None
     for w in weights:
-        why = why or lut_unsupported(w)
-    if kernel == "lut":
+        why = why or unsupported(w)
+    if kernel == name:
         if why is not None:
-            raise ValueError(f"kernel='lut' cannot run: {why}")
+            raise ValueError(f"kernel={name!r} cannot run: {why}")
         return True
     return why is None and wins and not explicit_config
 
@@ -103,7 +110,16 @@ def ap_fused_moe(
             activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
         )
     m, topk = topk_ids.shape
-    if _use_lut(kernel, hidden.is_cuda, (w13, w2), prefer_lut(m, topk, w13.num_experts), configs is not None):
+    if _use_cuda_kernel("mma", kernel, hidden.is_cuda, (w13, w2), prefer_mma(m, topk, w13.num_experts),
+                        configs is not None):
+        if m == 0:
+            return torch.zeros_like(hidden)
+        from pagedweight.kernels.cuda_mma import ap_fused_moe_mma
+
+        return ap_fused_moe_mma(hidden, topk_weights, topk_ids, w13, w2,
+                                apply_router_weight_on_input=apply_router_weight_on_input)
+    if _use_cuda_kernel("lut", kernel, hidden.is_cuda, (w13, w2), prefer_lut(m, topk, w13.num_experts),
+                        configs is not None):
         if m == 0:
             return torch.zeros_like(hidden)
         from pagedweight.kernels.cuda_lut import ap_fused_moe_lut
@@ -161,7 +177,13 @@ def ap_linear(
     _check_kernel(kernel, path)
     if path == "reference":
         return ap_linear_reference(x, w, row=row, bias=bias)
-    if _use_lut(kernel, x.is_cuda, (w,), 0 < x.shape[0] <= LINEAR_LUT_MAX_M, config is not None):
+    if _use_cuda_kernel("mma", kernel, x.is_cuda, (w,), prefer_mma_linear(x.shape[0]), config is not None):
+        from pagedweight.kernels.cuda_mma import ap_linear_mma
+
+        if x.shape[0] == 0:
+            return x.new_zeros(0, w.N)
+        return ap_linear_mma(x, w, row, bias)
+    if _use_cuda_kernel("lut", kernel, x.is_cuda, (w,), 0 < x.shape[0] <= LINEAR_LUT_MAX_M, config is not None):
         from pagedweight.kernels.cuda_lut import ap_linear_lut
 
         if x.shape[0] == 0:

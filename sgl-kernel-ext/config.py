@@ -188,3 +188,28 @@ def prefer_lut(num_tokens: int, topk: int, num_experts: int,
     """Whether the LUT kernel is the default for this routing size (no device sync: expected, not actual hits)."""
     hit = expected_experts_hit(num_tokens, topk, num_experts)
     return num_tokens * topk <= max_pairs_per_expert * max(hit, 1.0)
+
+
+# The tensor-core kernel (cuda_mma.py, CUDA, ubcq) serves the sizes between one pair per expert and the
+# prefill path: its cost is per weight (the pairs of a block ride in the MMA's N dimension), the LUT
+# kernel's per pair. H200, 4 bits, same run (docs/results/kernel.md, session 9): LUT ahead at M = 1 (Mixtral
+# 130 vs 147 us, Qwen1.5-MoE 30 vs 35) and Qwen M = 4 (1.13 pairs per expert hit: 66 vs 71); MMA ahead at
+# Mixtral M = 4 (1.46: 348 vs 410), Qwen M = 16 (1.6: 132 vs 181), Mixtral M = 16 (404 vs tiles 703) and
+# Qwen M = 64 (4.3: 192 vs tiles 317). At Mixtral M = 64 (16 per expert) MMA 1120-1190 us and tiles 1135 are
+# even, so the tiles keep it; at 64 per expert (Mixtral M = 256) the prefill path wins (2300 vs 3856).
+MMA_MIN_PAIRS_PER_EXPERT = 1.3
+MMA_MAX_PAIRS_PER_EXPERT = 12.0
+
+
+def prefer_mma(num_tokens: int, topk: int, num_experts: int) -> bool:
+    """Whether the MMA kernel is the default for this routing size (ubcq tables; other kinds fall through to
+    the LUT / tile / prefill rules)."""
+    hit = max(expected_experts_hit(num_tokens, topk, num_experts), 1.0)
+    per_expert = num_tokens * topk / hit
+    return num_tokens > 1 and MMA_MIN_PAIRS_PER_EXPERT < per_expert <= MMA_MAX_PAIRS_PER_EXPERT
+
+
+# Dense AP linears: the same kernel from 5 rows of x (the LUT kernel's range ends at LINEAR_LUT_MAX_M) up to the
+# dequantize-then-GEMM threshold.
+def prefer_mma_linear(m: int) -> bool:
+    return LINEAR_LUT_MAX_M < m < LINEAR_DEQUANT_MIN_M

@@ -28,6 +28,7 @@ from pagedweight.kernels.cuda_lut import (
 )
 from pagedweight.kernels.reference import ap_fused_moe_reference, ap_linear_reference
 from pagedweight.kernels.testing import random_ap_projection
+from tests.support.cuda_kernel_cases import check_graph_replay, rel_err, routing, tol
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the LUT kernel is CUDA only")
@@ -103,16 +104,6 @@ def test_refusals_name_the_reason():
 # ---------------------------------------------------------------- CUDA: correctness
 
 
-def _rel(out, ref):
-    out, ref = out.float().cpu(), ref.float().cpu()
-    assert torch.isfinite(out).all()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def _tol(dtype):
-    return 2e-2 if dtype == torch.bfloat16 else 5e-3
-
-
 @needs_cuda
 @pytest.mark.parametrize("kind", ["bcq", "ubcq"])
 @pytest.mark.parametrize("n,k,group", [(256, 128, 128), (300, 384, 128), (1000, 1408, 128), (2048, 2048, 256)])
@@ -127,7 +118,7 @@ def test_linear_matches_reference(kind, n, k, group, bits):
             out = ap_linear(x, proj.weights, bias=bias, kernel="lut")
             ref = ap_linear_reference(x.float(), proj.weights, bias=None if bias is None else bias.float())
             assert out.dtype == dtype and out.shape == (m, n)
-            assert _rel(out, ref) < _tol(dtype), (m, dtype)
+            assert rel_err(out, ref) < tol(dtype), (m, dtype)
 
 
 @needs_cuda
@@ -137,7 +128,7 @@ def test_linear_small_k_slices_and_blocks():
     x = torch.randn(3, 640, device="cuda")
     ref = ap_linear_reference(x, proj.weights)
     for cfg in (LUTConfig(1, 256, 128), LUTConfig(8, 512, 384), LUTConfig(2, 256, 640)):
-        assert _rel(ap_linear_lut(x, proj.weights, 0, None, cfg), ref) < 5e-3, cfg
+        assert rel_err(ap_linear_lut(x, proj.weights, 0, None, cfg), ref) < 5e-3, cfg
 
 
 def _layer(num_experts, hidden, inter, bits13, bits2, seed=0, kind="bcq"):
@@ -146,19 +137,6 @@ def _layer(num_experts, hidden, inter, bits13, bits2, seed=0, kind="bcq"):
     p2 = random_ap_projection(num_experts, hidden, inter, bits2, table_kind=kind, bits_min=2, seed=seed + 1,
                               device="cuda")
     return p13, p2
-
-
-def _routing(m, num_experts, topk, pattern, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    if pattern == "random":
-        ids = torch.stack([torch.randperm(num_experts, generator=g)[:topk] for _ in range(m)])
-    elif pattern == "one_expert":  # slot 0 of every token -> the last expert; most experts get nothing
-        ids = torch.stack([torch.randperm(num_experts - 1, generator=g)[: topk] for _ in range(m)])
-        ids[:, 0] = num_experts - 1
-    else:
-        raise ValueError(pattern)
-    w = torch.rand(m, topk, generator=g) + 0.1
-    return w.float().cuda(), ids.to(torch.int32).cuda()
 
 
 @needs_cuda
@@ -173,7 +151,7 @@ def test_moe_matches_reference(kind, num_experts, topk, m, pattern):
     bits13 = [2 + (e % 7) for e in range(num_experts)]  # every bitwidth 2..8, mixed in one launch
     bits2 = [2 + ((e + 3) % 7) for e in range(num_experts)]
     p13, p2 = _layer(num_experts, hidden, inter, bits13, bits2, seed=num_experts + m, kind=kind)
-    tw, ids = _routing(m, num_experts, topk, pattern, seed=m)
+    tw, ids = routing(m, num_experts, topk, pattern, seed=m)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         x = torch.randn(m, hidden, device="cuda").to(dtype)
         for apply_w_in in (False, True):
@@ -182,14 +160,14 @@ def test_moe_matches_reference(kind, num_experts, topk, m, pattern):
             out = ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel="lut",
                                apply_router_weight_on_input=apply_w_in)
             assert out.dtype == dtype and out.shape == (m, hidden)
-            assert _rel(out, ref) < _tol(dtype), (dtype, apply_w_in)
+            assert rel_err(out, ref) < tol(dtype), (dtype, apply_w_in)
     # every block_m (padding pairs inside a block) and K slices of one chunk
     x = torch.randn(m, hidden, device="cuda")
     ref = ap_fused_moe_reference(x, tw, ids, p13.weights, p2.weights)
     for bm in (1, 2, 4, 8):
         cfgs = (LUTConfig(bm, 256, 128), LUTConfig(bm, 512, 256))
         out = ap_fused_moe_lut(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
-        assert _rel(out, ref) < 5e-3, bm
+        assert rel_err(out, ref) < 5e-3, bm
 
 
 @needs_cuda
@@ -199,7 +177,7 @@ def test_moe_skips_non_local_experts(m):
     in the one-pair-per-block layout (block_m 1, no alignment) and in the aligned one."""
     num_experts, hidden, inter, topk = 8, 256, 256, 2
     p13, p2 = _layer(num_experts, hidden, inter, [4] * num_experts, [5] * num_experts, seed=m)
-    tw, ids = _routing(m, num_experts, topk, "random", seed=m)
+    tw, ids = routing(m, num_experts, topk, "random", seed=m)
     ids[0, 1] = -1
     x = torch.randn(m, hidden, device="cuda")
     # the reference sees the same routing with the -1 pair's weight zeroed (and a valid id in its place)
@@ -207,26 +185,12 @@ def test_moe_skips_non_local_experts(m):
     for bm in (1, 2):
         cfgs = (LUTConfig(bm, 256, 128), LUTConfig(bm, 256, 128))
         out = ap_fused_moe_lut(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
-        assert _rel(out, ref) < 5e-3, bm
+        assert rel_err(out, ref) < 5e-3, bm
 
 
 @needs_cuda
 def test_moe_graph_replay_follows_rewritten_page_table():
-    num_experts, hidden, inter, m, topk = 8, 256, 256, 2, 2
-    p13, p2 = _layer(num_experts, hidden, inter, [8] * num_experts, [8] * num_experts)
-    tw, ids = _routing(m, num_experts, topk, "random")
-    x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
-    w13, w2 = p13.weights, p2.weights
-    ap_fused_moe(x, tw, ids, w13, w2, kernel="lut")  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = ap_fused_moe(x, tw, ids, w13, w2, kernel="lut")
-    for bits in ([8] * num_experts, [3] * num_experts, [2, 5, 8, 3, 4, 6, 7, 2]):
-        r13, r2 = p13.recommit(bits), p2.recommit(bits[::-1])
-        w13.page_table.copy_(r13.page_table)
-        w2.page_table.copy_(r2.page_table)
-        graph.replay()
-        torch.cuda.synchronize()
-        ref = ap_fused_moe_reference(x.float(), tw, ids, r13, r2)
-        assert _rel(out, ref) < 2e-2, bits
+    num_experts = 8
+    p13, p2 = _layer(num_experts, 256, 256, [8] * num_experts, [8] * num_experts)
+    check_graph_replay(p13, p2, m=2, topk=2, kernel="lut",
+                       bit_mixes=([8] * num_experts, [3] * num_experts, [2, 5, 8, 3, 4, 6, 7, 2]))

@@ -1,0 +1,56 @@
+"""Shared pieces of the CUDA kernel tests (test_kernel_lut.py, test_kernel_mma.py): the error measure, the
+tolerance per activation dtype, the routings, and the CUDA-graph replay over rewritten page tables."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedweight.kernels import ap_fused_moe
+from pagedweight.kernels.reference import ap_fused_moe_reference
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float().cpu(), ref.float().cpu()
+    assert torch.isfinite(out).all()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def tol(dtype: torch.dtype) -> float:
+    return 2e-2 if dtype == torch.bfloat16 else 5e-3
+
+
+def routing(m: int, num_experts: int, topk: int, pattern: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights, topk_ids) on CUDA: "random" distinct experts per token, or "one_expert" (slot 0 of every
+    token -> the last expert; most experts get nothing)."""
+    g = torch.Generator().manual_seed(seed)
+    if pattern == "random":
+        ids = torch.stack([torch.randperm(num_experts, generator=g)[:topk] for _ in range(m)])
+    elif pattern == "one_expert":
+        ids = torch.stack([torch.randperm(num_experts - 1, generator=g)[:topk] for _ in range(m)])
+        ids[:, 0] = num_experts - 1
+    else:
+        raise ValueError(pattern)
+    w = torch.rand(m, topk, generator=g) + 0.1
+    return w.float().cuda(), ids.to(torch.int32).cuda()
+
+
+def check_graph_replay(p13, p2, m: int, topk: int, kernel: str, bit_mixes) -> None:
+    """Capture ap_fused_moe(kernel=...) once, then rewrite both page tables and replay: every replay must
+    follow the rows it finds (no recapture)."""
+    num_experts = p13.weights.num_experts
+    tw, ids = routing(m, num_experts, topk, "random")
+    x = torch.randn(m, p13.weights.K, device="cuda", dtype=torch.bfloat16)
+    w13, w2 = p13.weights, p2.weights
+    ap_fused_moe(x, tw, ids, w13, w2, kernel=kernel)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ap_fused_moe(x, tw, ids, w13, w2, kernel=kernel)
+    for bits in bit_mixes:
+        r13, r2 = p13.recommit(bits), p2.recommit(bits[::-1])
+        w13.page_table.copy_(r13.page_table)
+        w2.page_table.copy_(r2.page_table)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = ap_fused_moe_reference(x.float(), tw, ids, r13, r2)
+        assert rel_err(out, ref) < 2e-2, bits

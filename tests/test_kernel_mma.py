@@ -1,0 +1,239 @@
+"""The CUDA tensor-core kernel (cuda_mma.py) for ubcq planes at small batches.
+
+CPU (CI): every variant of the source compiles with NVRTC for sm_90; the fragment order of the bit
+transposition (an exact emulation of what each lane feeds mma.sync, every bitwidth); the config rules and
+the refusals. CUDA: against the torch reference on random and adversarial shapes (N not a multiple of the
+block, K with partial steps and slices, every bitwidth mixed in one launch, padding pairs, one expert
+taking every token, empty experts, three activation dtypes, activations beyond fp16's range), the
+non-local expert id -1, and page-table rows rewritten between CUDA-graph replays.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedweight.kernels import ap_fused_moe, ap_linear
+from pagedweight.kernels.config import prefer_lut, prefer_mma, prefer_mma_linear
+from pagedweight.kernels.cuda_mma import (
+    CHUNK,
+    STEP,
+    MMAConfig,
+    ap_fused_moe_mma,
+    ap_linear_mma,
+    compile_to_cubin,
+    default_mma_config,
+    kernel_defines,
+    mma_unsupported,
+    n_tiles_for,
+    prep_defines,
+)
+from pagedweight.kernels.reference import ap_fused_moe_reference, ap_linear_reference
+from pagedweight.kernels.testing import random_ap_projection
+from tests.support.cuda_kernel_cases import check_graph_replay, rel_err, routing, tol
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the MMA kernel is CUDA only")
+
+
+# ---------------------------------------------------------------- CPU: build, fragment order, configs
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_every_variant_compiles_for_sm90(mode):
+    for n_tiles in (1, 2, 4):
+        for direct in ([False, True] if n_tiles == 1 and mode != 2 else [False]):
+            for bits_max, group in ((8, 128), (4, 32)):
+                cubin = compile_to_cubin(kernel_defines(mode, n_tiles, bits_max, group, direct), "90")
+                assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert compile_to_cubin(prep_defines(mode, dtype), "90", name="ap_mma_prep")[:4] == b"\x7fELF"
+
+
+def test_direct_layout_is_refused_where_it_does_not_apply():
+    with pytest.raises(RuntimeError, match="DIRECT needs NT 1"):
+        compile_to_cubin(kernel_defines(0, 2, 8, 128, direct=True), "90")
+    with pytest.raises(ValueError, match="direct"):
+        MMAConfig(n_tiles=2, k_per_split=512, direct=True)
+
+
+def _transpose_codes(words: list[int], q: int, j: int) -> int:
+    """cuda_mma_gemv.cu transpose_codes<Q, J>, in Python."""
+    ones = 0x11111111 if q <= 4 else 0x01010101
+    v = 0
+    for p in range(q):
+        sh = q - 1 - p
+        moved = words[p] >> (j - sh) if j >= sh else (words[p] << (sh - j)) & 0xFFFFFFFF
+        v |= moved & ((ones << sh) & 0xFFFFFFFF)
+    return v
+
+
+@pytest.mark.parametrize("q", range(1, 9))
+def test_fragment_order_matches_the_activation_permutation(q):
+    """What every lane hands mma.sync for one 32-input word, emulated exactly: the A slots (transposed codes
+    through the half2 masks) and the B slots (ap_mma_prep's permutation) multiply to the plain dot product."""
+    g = torch.Generator().manual_seed(q)
+    codes = torch.randint(0, 2**q, (16, 32), generator=g)
+    words = [[int(sum(((int(codes[r, k]) >> (q - 1 - p)) & 1) << k for k in range(32))) for p in range(q)]
+             for r in range(16)]
+    x = torch.randn(32, generator=g, dtype=torch.float64)
+    perm = [(pos >> 3) + 8 * ((pos >> 2) & 1) + 4 * ((pos >> 1) & 1) + 16 * (pos & 1) for pos in range(32)]
+    assert sorted(perm) == list(range(32))
+    xp = x[perm]
+    mask = 0x000F000F if q <= 4 else 0x00FF00FF
+    y = torch.zeros(16, dtype=torch.float64)
+    for j in range(4):
+        for m in range(2):
+            a = torch.zeros(16, 16, dtype=torch.float64)
+            for row in range(16):
+                if q <= 4:
+                    v = _transpose_codes(words[row], q, j)
+                    lo, hi = (v >> (8 * m)) & mask, (v >> (8 * m + 4)) & mask
+                else:
+                    lo = (_transpose_codes(words[row], q, j) >> (8 * m)) & mask
+                    hi = (_transpose_codes(words[row], q, j + 4) >> (8 * m)) & mask
+                for t in range(1):  # slots 2t..2t+1 (lo) and 2t+8..2t+9 (hi); every lane t sees its own word
+                    a[row, 2 * t], a[row, 2 * t + 1] = lo & 0xFFFF, lo >> 16
+                    a[row, 2 * t + 8], a[row, 2 * t + 9] = hi & 0xFFFF, hi >> 16
+            b = torch.zeros(16, dtype=torch.float64)
+            base = 8 * j + 4 * m
+            b[0], b[1], b[8], b[9] = xp[base], xp[base + 1], xp[base + 2], xp[base + 3]
+            y += a @ b
+    torch.testing.assert_close(y, codes.double() @ x)
+
+
+def test_configs_and_dispatch_rules():
+    for k in (128, 1408, 2048, 4096, 14336):
+        cfg = default_mma_config(2, 1, 4096, k, num_sms=132, direct=True)
+        assert cfg.k_per_split % CHUNK == 0 and cfg.k_per_split <= -(-k // STEP) * STEP
+    small = default_mma_config(2, 1, 4096, 14336, num_sms=132)
+    large = default_mma_config(512, 1, 28672, 4096, num_sms=132)
+    assert small.k_per_split < large.k_per_split
+    assert [n_tiles_for(p) for p in (1, 8, 9, 16, 17, 40)] == [1, 1, 2, 2, 4, 4]
+    with pytest.raises(ValueError, match="n_tiles"):
+        MMAConfig(n_tiles=3, k_per_split=512)
+    with pytest.raises(ValueError, match="k_per_split"):
+        MMAConfig(n_tiles=1, k_per_split=100)
+    # the MMA kernel takes the sizes between one pair per expert and the tiles (measured, config.py); where
+    # both CUDA kernels qualify, ap_fused_moe asks the MMA kernel first
+    assert not prefer_mma(1, 2, 8) and not prefer_mma(1, 4, 60) and not prefer_mma(4, 4, 60)
+    assert prefer_mma(4, 2, 8) and prefer_mma(16, 2, 8) and prefer_mma(16, 4, 60) and prefer_mma(64, 4, 60)
+    assert not prefer_mma(64, 2, 8) and not prefer_mma(256, 4, 60) and not prefer_mma(2048, 2, 8)
+    assert prefer_lut(1, 2, 8) and prefer_lut(4, 4, 60)
+    assert prefer_mma_linear(16) and not prefer_mma_linear(1) and not prefer_mma_linear(4096)
+
+
+def test_refusals_name_the_reason():
+    bcq = random_ap_projection(1, 64, 256, [4], table_kind="bcq", bits_min=4).weights
+    km = random_ap_projection(1, 64, 256, [4], table_kind="kmeans", bits_min=4).weights
+    ub = random_ap_projection(1, 64, 256, [4], table_kind="ubcq", bits_min=4).weights
+    assert "ubcq" in mma_unsupported(bcq) and "kmeans" in mma_unsupported(km)
+    assert "CUDA" in mma_unsupported(ub)
+    x = torch.randn(16, 256)
+    with pytest.raises(ValueError, match="not on a CUDA device"):
+        ap_linear(x, ub, kernel="mma")
+    torch.testing.assert_close(ap_linear(x, ub), ap_linear_reference(x, ub), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- CUDA: correctness
+
+
+@needs_cuda
+@pytest.mark.parametrize("n,k,group", [(256, 128, 128), (300, 640, 32), (1000, 1408, 128), (2048, 2048, 256)])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_linear_matches_reference(n, k, group, bits):
+    proj = random_ap_projection(1, n, k, [bits], table_kind="ubcq", group_size=group, bits_min=1, seed=bits,
+                                device="cuda")
+    for m in (1, 5, 8, 9, 33):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).to(dtype)
+            bias = torch.randn(n, device="cuda").to(dtype) if m == 5 else None
+            out = ap_linear(x, proj.weights, bias=bias, kernel="mma")
+            ref = ap_linear_reference(x.float(), proj.weights, bias=None if bias is None else bias.float())
+            assert out.dtype == dtype and out.shape == (m, n)
+            assert rel_err(out, ref) < tol(dtype), (m, dtype)
+
+
+@needs_cuda
+def test_linear_explicit_configs_and_huge_activations():
+    """K cut into one-chunk slices (many atomics), more n-tiles than rows (padding columns), and rows whose
+    activations exceed fp16's range (scaled by a power of two per row, undone on the output)."""
+    proj = random_ap_projection(1, 520, 640, [5], table_kind="ubcq", bits_min=2, device="cuda")
+    x = torch.randn(3, 640, device="cuda")
+    ref = ap_linear_reference(x, proj.weights)
+    for cfg in (MMAConfig(1, 128), MMAConfig(4, 384), MMAConfig(2, 640)):
+        assert rel_err(ap_linear_mma(x, proj.weights, 0, None, cfg), ref) < 5e-3, cfg
+    big = torch.randn(3, 640, device="cuda") * torch.tensor([[1.0], [1e6], [3e4]], device="cuda")
+    out = ap_linear_mma(big, proj.weights, 0, None)
+    assert rel_err(out, ap_linear_reference(big, proj.weights)) < 5e-3
+
+
+def _layer(num_experts, hidden, inter, bits13, bits2, seed=0, group=128):
+    p13 = random_ap_projection(num_experts, 2 * inter, hidden, bits13, table_kind="ubcq", group_size=group,
+                               bits_min=1, seed=seed, device="cuda")
+    p2 = random_ap_projection(num_experts, hidden, inter, bits2, table_kind="ubcq", group_size=group, bits_min=1,
+                              seed=seed + 1, device="cuda")
+    return p13, p2
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "num_experts,topk,m,pattern",
+    [(8, 2, 1, "random"), (8, 2, 4, "random"), (8, 1, 3, "one_expert"), (60, 4, 1, "random"),
+     (60, 4, 16, "random"), (16, 8, 5, "one_expert"), (8, 2, 40, "random"), (4, 2, 70, "one_expert")],
+)
+def test_moe_matches_reference(num_experts, topk, m, pattern):
+    hidden, inter = 512, 384  # w2: K = 384, three chunks: a partial 512-input step
+    bits13 = [1 + (e % 8) for e in range(num_experts)]  # every bitwidth 1..8, mixed in one launch
+    bits2 = [1 + ((e + 3) % 8) for e in range(num_experts)]
+    p13, p2 = _layer(num_experts, hidden, inter, bits13, bits2, seed=num_experts + m)
+    tw, ids = routing(m, num_experts, topk, pattern, seed=m)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randn(m, hidden, device="cuda").to(dtype)
+        for apply_w_in in (False, True):
+            ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights,
+                                         apply_router_weight_on_input=apply_w_in)
+            out = ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel="mma",
+                               apply_router_weight_on_input=apply_w_in)
+            assert out.dtype == dtype and out.shape == (m, hidden)
+            assert rel_err(out, ref) < tol(dtype), (dtype, apply_w_in)
+    # every block layout (padding pairs inside a block) and K slices of one chunk
+    x = torch.randn(m, hidden, device="cuda")
+    ref = ap_fused_moe_reference(x, tw, ids, p13.weights, p2.weights)
+    layouts = [(MMAConfig(nt, 128), MMAConfig(nt, 256)) for nt in (1, 2, 4)]
+    layouts.append((MMAConfig(1, 512, direct=True), MMAConfig(1, 128, direct=True)))
+    for cfgs in layouts:
+        out = ap_fused_moe_mma(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
+        assert rel_err(out, ref) < 5e-3, cfgs
+
+
+@needs_cuda
+@pytest.mark.parametrize("group", [32, 64, 256])
+def test_moe_group_sizes(group):
+    p13, p2 = _layer(8, 512, 512, [4, 3, 5, 2, 8, 6, 7, 1], [2, 4, 6, 8, 1, 3, 5, 7], group=group)
+    tw, ids = routing(12, 8, 2, "random", seed=group)
+    x = torch.randn(12, 512, device="cuda")
+    ref = ap_fused_moe_reference(x, tw, ids, p13.weights, p2.weights)
+    assert rel_err(ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel="mma"), ref) < 5e-3
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 3])
+def test_moe_skips_non_local_experts(m):
+    num_experts, hidden, inter, topk = 8, 256, 256, 2
+    p13, p2 = _layer(num_experts, hidden, inter, [4] * num_experts, [5] * num_experts, seed=m)
+    tw, ids = routing(m, num_experts, topk, "random", seed=m)
+    ids[0, 1] = -1
+    x = torch.randn(m, hidden, device="cuda")
+    ref = ap_fused_moe_reference(x, torch.where(ids < 0, 0.0, tw), ids.clamp(min=0), p13.weights, p2.weights)
+    for cfgs in ((MMAConfig(1, 128, direct=True),) * 2, (MMAConfig(1, 128),) * 2):
+        out = ap_fused_moe_mma(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
+        assert rel_err(out, ref) < 5e-3, cfgs
+
+
+@needs_cuda
+def test_moe_graph_replay_follows_rewritten_page_table():
+    num_experts = 8
+    p13, p2 = _layer(num_experts, 256, 256, [8] * num_experts, [8] * num_experts)
+    check_graph_replay(p13, p2, m=12, topk=2, kernel="mma",
+                       bit_mixes=([8] * num_experts, [3] * num_experts, [2, 5, 8, 3, 4, 6, 7, 1]))
