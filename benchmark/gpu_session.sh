@@ -45,7 +45,8 @@ if [ "$stage" = kernels ]; then
   timeout 200 python3 benchmark/sglang_moe_baseline.py --ms "$ms" --out "$OUT/baseline.json" >"$OUT/baseline.log" 2>&1
   tail -3 "$OUT/baseline.log"
   timeout "${KB_TIMEOUT:-330}" python3 benchmark/kernel_bench.py --baseline-json "$OUT/baseline.json" --ms "$ms" \
-    --kinds "${KB_KINDS:-ubcq,bcq,kmeans}" --out "$OUT/kernel.json" --time-budget-s "${KB_BUDGET:-270}" 2>&1 | tail -40 \
+    --kinds "${KB_KINDS:-ubcq,bcq,kmeans}" --cases "${KB_CASES:-u3,u4,u6,u8,mix4}" --out "$OUT/kernel.json" \
+    --time-budget-s "${KB_BUDGET:-270}" 2>&1 | tail -40 \
     | tee "$OUT/kernel_bench.txt"
 fi
 

@@ -25,7 +25,7 @@ from kernel_bench import MODELS, graph_time, make_routing  # benchmark/ is on sy
 
 def candidates(c13, c2):
     yield "default", (c13, c2)
-    for mb in (2, 3, 4):
+    for mb in (1, 2, 3):
         yield f"min_blocks={mb}", (replace(c13, min_blocks=mb), replace(c2, min_blocks=mb))
     for f, name in ((2, "split x2"), (0.5, "split /2")):
         k13 = max(STEP, int(c13.k_per_split / f) // STEP * STEP)
