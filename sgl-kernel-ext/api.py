@@ -24,7 +24,6 @@ from pagedweight.kernels.config import (
     default_moe_configs,
     prefer_lut,
     prefer_mma,
-    prefer_mma_linear,
 )
 from pagedweight.kernels.reference import ap_fused_moe_reference, ap_linear_reference, check_moe_args
 from pagedweight.kernels.weights import APMoEWeights
@@ -177,7 +176,9 @@ def ap_linear(
     _check_kernel(kernel, path)
     if path == "reference":
         return ap_linear_reference(x, w, row=row, bias=bias)
-    if _use_cuda_kernel("mma", kernel, x.is_cuda, (w,), prefer_mma_linear(x.shape[0]), config is not None):
+    # the MMA kernel serves a dense linear when asked (kernel="mma"); it is not timed against the tiles on
+    # dense shapes yet, so "auto" keeps the measured LUT / tiles / dequantization rules
+    if _use_cuda_kernel("mma", kernel, x.is_cuda, (w,), False, config is not None):
         from pagedweight.kernels.cuda_mma import ap_linear_mma
 
         if x.shape[0] == 0:

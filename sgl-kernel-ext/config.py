@@ -207,9 +207,3 @@ def prefer_mma(num_tokens: int, topk: int, num_experts: int) -> bool:
     hit = max(expected_experts_hit(num_tokens, topk, num_experts), 1.0)
     per_expert = num_tokens * topk / hit
     return num_tokens > 1 and MMA_MIN_PAIRS_PER_EXPERT < per_expert <= MMA_MAX_PAIRS_PER_EXPERT
-
-
-# Dense AP linears: the same kernel from 5 rows of x (the LUT kernel's range ends at LINEAR_LUT_MAX_M) up to the
-# dequantize-then-GEMM threshold.
-def prefer_mma_linear(m: int) -> bool:
-    return LINEAR_LUT_MAX_M < m < LINEAR_DEQUANT_MIN_M

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagedweight.kernels import ap_fused_moe, ap_linear
-from pagedweight.kernels.config import prefer_lut, prefer_mma, prefer_mma_linear
+from pagedweight.kernels.config import prefer_lut, prefer_mma
 from pagedweight.kernels.cuda_mma import (
     CHUNK,
     STEP,
@@ -120,7 +120,6 @@ def test_configs_and_dispatch_rules():
     assert prefer_mma(4, 2, 8) and prefer_mma(16, 2, 8) and prefer_mma(16, 4, 60) and prefer_mma(64, 4, 60)
     assert not prefer_mma(64, 2, 8) and not prefer_mma(256, 4, 60) and not prefer_mma(2048, 2, 8)
     assert prefer_lut(1, 2, 8) and prefer_lut(4, 4, 60)
-    assert prefer_mma_linear(16) and not prefer_mma_linear(1) and not prefer_mma_linear(4096)
 
 
 def test_refusals_name_the_reason():
