@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--ms", default="1,4,16,64")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--candidates", default="", help="comma list of candidate names to time (default: all)")
     ap.add_argument("--profile-one", action="store_true",
                     help="3 eager calls of the first model and M, default configs, nothing else (for ncu)")
     args = ap.parse_args()
@@ -72,7 +73,10 @@ def main() -> None:
             x = torch.randn((M, H), device=dev, dtype=torch.bfloat16)
             tw, ids = make_routing(M, E, topk, md["renormalize"], M, dev)
             base = default_moe_mma_configs(M, topk, E, w13, w2, dev)
+            wanted = {c for c in args.candidates.split(",") if c}
             for name, cfgs in [("lut", None)] + list(candidates(*base)):
+                if wanted and name not in wanted:
+                    continue
                 row = dict(model=mk, M=M, bits=args.bits, cand=name)
                 if cfgs is not None:
                     row.update(cfg13=vars(cfgs[0]), cfg2=vars(cfgs[1]))
