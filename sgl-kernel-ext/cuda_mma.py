@@ -83,8 +83,8 @@ def n_tiles_for(pairs_per_block: float) -> int:
     return next((nt for nt in N_TILES if pairs_per_block <= 8 * nt), N_TILES[-1])
 
 
-# H200, 4 bits, Mixtral and Qwen1.5-MoE experts at M = 1..64 (benchmark/mma_sweep.py, docs/results/kernel.md):
-# the kernel is bound by how many warps keep plane loads in flight, so registers are capped for 4 blocks
+# H200, 4 bits, Mixtral and Qwen1.5-MoE experts at M = 1..64 (benchmark/mma_sweep.py, docs/results/kernel.md;
+# ncu: L1/TEX-bound): more resident warps hide the load latency better, so registers are capped for 4 blocks
 # (16 warps) per SM (Mixtral M=16: 404 us vs 457 uncapped), one n-tile per block (two n-tiles cost more
 # registers than re-reading an expert's planes for a second block: Mixtral M=64 1155 vs 1305 us), and the K
 # split that fills ~6 blocks per SM (twice or half as many slices: 2-20% slower).
