@@ -109,22 +109,17 @@ def ap_fused_moe(
             activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
         )
     m, topk = topk_ids.shape
-    if _use_cuda_kernel("mma", kernel, hidden.is_cuda, (w13, w2), prefer_mma(m, topk, w13.num_experts),
-                        configs is not None):
-        if m == 0:
-            return torch.zeros_like(hidden)
-        from pagedweight.kernels.cuda_mma import ap_fused_moe_mma
-
-        return ap_fused_moe_mma(hidden, topk_weights, topk_ids, w13, w2,
-                                apply_router_weight_on_input=apply_router_weight_on_input)
-    if _use_cuda_kernel("lut", kernel, hidden.is_cuda, (w13, w2), prefer_lut(m, topk, w13.num_experts),
-                        configs is not None):
-        if m == 0:
-            return torch.zeros_like(hidden)
-        from pagedweight.kernels.cuda_lut import ap_fused_moe_lut
-
-        return ap_fused_moe_lut(hidden, topk_weights, topk_ids, w13, w2,
-                                apply_router_weight_on_input=apply_router_weight_on_input)
+    # the CUDA kernels in the order their rules are asked (their size ranges may overlap: the MMA one wins)
+    for name, wins in (("mma", prefer_mma(m, topk, w13.num_experts)), ("lut", prefer_lut(m, topk, w13.num_experts))):
+        if _use_cuda_kernel(name, kernel, hidden.is_cuda, (w13, w2), wins, configs is not None):
+            if m == 0:
+                return torch.zeros_like(hidden)
+            if name == "mma":
+                from pagedweight.kernels.cuda_mma import ap_fused_moe_mma as fused_moe
+            else:
+                from pagedweight.kernels.cuda_lut import ap_fused_moe_lut as fused_moe
+            return fused_moe(hidden, topk_weights, topk_ids, w13, w2,
+                             apply_router_weight_on_input=apply_router_weight_on_input)
     from pagedweight.kernels.triton_moe import ap_fused_moe_triton, compute_dtype
 
     w13.check_triton_supported("w13")

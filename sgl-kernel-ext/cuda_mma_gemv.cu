@@ -100,8 +100,9 @@ __device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a
 }
 
 // code of weight 4 i + j (q <= 4) in nibble i, or of weight 8 i + j (q > 4) in byte i, from the q plane words
-template <int Q, int J>
-__device__ __forceinline__ u32 transpose_codes(const u32* w) {
+// (j is a constant wherever it is called: the loops around are unrolled, so the shifts fold)
+template <int Q>
+__device__ __forceinline__ u32 transpose_codes(const u32* w, int J) {
     constexpr u32 ONES = Q <= 4 ? 0x11111111u : 0x01010101u;
     u32 v = 0;
 #pragma unroll
@@ -197,34 +198,17 @@ __device__ __forceinline__ void mma_word(const ChunkRegs<Q>& r, int wi, RowScale
             if (have && xrow[nt] >= 0) bx[nt] = __ldg((const uint4*)(xp + (long long)xrow[nt] * K + kw + 8 * j));
         }
         u32 a_lo[2][2], a_hi[2][2];  // [m][row a / b]: k slots 2t..2t+1 (lo) and 2t+8..2t+9 (hi)
-        if (Q <= 4) {
-            const u32 va = j == 0 ? transpose_codes<Q, 0>(wa) : j == 1 ? transpose_codes<Q, 1>(wa)
-                         : j == 2 ? transpose_codes<Q, 2>(wa) : transpose_codes<Q, 3>(wa);
-            const u32 vb = j == 0 ? transpose_codes<Q, 0>(wb) : j == 1 ? transpose_codes<Q, 1>(wb)
-                         : j == 2 ? transpose_codes<Q, 2>(wb) : transpose_codes<Q, 3>(wb);
+        // nibbles: the hi slots are the same word's odd nibble pairs; bytes: the word of weights j + 4 + 8 i
+        constexpr u32 MASK = Q <= 4 ? 0x000F000Fu : 0x00FF00FFu;
+        const u32 la = transpose_codes<Q>(wa, j), lb = transpose_codes<Q>(wb, j);
+        const u32 ha = Q <= 4 ? la >> 4 : transpose_codes<Q>(wa, j + 4);
+        const u32 hb = Q <= 4 ? lb >> 4 : transpose_codes<Q>(wb, j + 4);
 #pragma unroll
-            for (int m = 0; m < 2; ++m) {
-                a_lo[m][0] = dequant2(va >> (8 * m), 0x000F000Fu, sa.s2, sa.z);
-                a_hi[m][0] = dequant2(va >> (8 * m + 4), 0x000F000Fu, sa.s2, sa.z);
-                a_lo[m][1] = dequant2(vb >> (8 * m), 0x000F000Fu, sb.s2, sb.z);
-                a_hi[m][1] = dequant2(vb >> (8 * m + 4), 0x000F000Fu, sb.s2, sb.z);
-            }
-        } else {
-            const u32 va0 = j == 0 ? transpose_codes<Q, 0>(wa) : j == 1 ? transpose_codes<Q, 1>(wa)
-                          : j == 2 ? transpose_codes<Q, 2>(wa) : transpose_codes<Q, 3>(wa);
-            const u32 va1 = j == 0 ? transpose_codes<Q, 4>(wa) : j == 1 ? transpose_codes<Q, 5>(wa)
-                          : j == 2 ? transpose_codes<Q, 6>(wa) : transpose_codes<Q, 7>(wa);
-            const u32 vb0 = j == 0 ? transpose_codes<Q, 0>(wb) : j == 1 ? transpose_codes<Q, 1>(wb)
-                          : j == 2 ? transpose_codes<Q, 2>(wb) : transpose_codes<Q, 3>(wb);
-            const u32 vb1 = j == 0 ? transpose_codes<Q, 4>(wb) : j == 1 ? transpose_codes<Q, 5>(wb)
-                          : j == 2 ? transpose_codes<Q, 6>(wb) : transpose_codes<Q, 7>(wb);
-#pragma unroll
-            for (int m = 0; m < 2; ++m) {
-                a_lo[m][0] = dequant2(va0 >> (8 * m), 0x00FF00FFu, sa.s2, sa.z);
-                a_hi[m][0] = dequant2(va1 >> (8 * m), 0x00FF00FFu, sa.s2, sa.z);
-                a_lo[m][1] = dequant2(vb0 >> (8 * m), 0x00FF00FFu, sb.s2, sb.z);
-                a_hi[m][1] = dequant2(vb1 >> (8 * m), 0x00FF00FFu, sb.s2, sb.z);
-            }
+        for (int m = 0; m < 2; ++m) {
+            a_lo[m][0] = dequant2(la >> (8 * m), MASK, sa.s2, sa.z);
+            a_hi[m][0] = dequant2(ha >> (8 * m), MASK, sa.s2, sa.z);
+            a_lo[m][1] = dequant2(lb >> (8 * m), MASK, sb.s2, sb.z);
+            a_hi[m][1] = dequant2(hb >> (8 * m), MASK, sb.s2, sb.z);
         }
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
@@ -325,31 +309,33 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_mma_gemv(
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 
+#define CASE(Q) case Q: run<Q>(planes, table, xp, xrow, N, K, k_begin, k_end, ra, rb, t, acc); break;
     switch (q) {
-        case 1: run<1>(planes, table, xp, xrow, N, K, k_begin, k_end, ra, rb, t, acc); break;
+        CASE(1)
 #if PMAX >= 2
-        case 2: run<2>(planes, table, xp, xrow, N, K, k_begin, k_end, ra, rb, t, acc); break;
+        CASE(2)
 #endif
 #if PMAX >= 3
-        case 3: run<3>(planes, table, xp, xrow, N, K, k_begin, k_end, ra, rb, t, acc); break;
+        CASE(3)
 #endif
 #if PMAX >= 4
-        case 4: run<4>(planes, table, xp, xrow, N, K, k_begin, k_end, ra, rb, t, acc); break;
+        CASE(4)
 #endif
 #if PMAX >= 5
-        case 5: run<5>(planes, table, xp, xrow, N, K, k_begin, k_end, ra, rb, t, acc); break;
+        CASE(5)
 #endif
 #if PMAX >= 6
-        case 6: run<6>(planes, table, xp, xrow, N, K, k_begin, k_end, ra, rb, t, acc); break;
+        CASE(6)
 #endif
 #if PMAX >= 7
-        case 7: run<7>(planes, table, xp, xrow, N, K, k_begin, k_end, ra, rb, t, acc); break;
+        CASE(7)
 #endif
 #if PMAX >= 8
-        case 8: run<8>(planes, table, xp, xrow, N, K, k_begin, k_end, ra, rb, t, acc); break;
+        CASE(8)
 #endif
         default: return;  // a row the runtime never writes (q is 1..bits_max)
     }
+#undef CASE
 
     // accumulator c of n-tile nt: (row n0 + g + 8 (c / 2), slot nt * 8 + 2 t + c % 2)
 #pragma unroll
