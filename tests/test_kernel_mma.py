@@ -58,7 +58,7 @@ def test_direct_layout_is_refused_where_it_does_not_apply():
 
 
 def _transpose_codes(words: list[int], q: int, j: int) -> int:
-    """cuda_mma_gemv.cu transpose_codes<Q, J>, in Python."""
+    """cuda_mma_gemv.cu transpose_codes<Q>(w, j), in Python."""
     ones = 0x11111111 if q <= 4 else 0x01010101
     v = 0
     for p in range(q):
