@@ -97,3 +97,39 @@ def test_percentile_nearest_rank():
     xs = [float(i) for i in range(1, 101)]
     assert percentile(xs, 99) == 99.0 and percentile(xs, 50) == 50.0 and percentile([], 99) is None
     assert percentile([4.0], 99) == 4.0
+
+
+def test_free_port_is_below_the_ephemeral_range_and_bindable():
+    # An ephemeral port can be taken by the server's own gloo sockets before uvicorn binds it (exit code 3).
+    import random
+    import socket
+
+    from pagedweight.bench.server_process import _ephemeral_low, free_port
+
+    rng = random.Random(0)
+    for _ in range(20):
+        port = free_port(rng)
+        assert 10000 <= port < _ephemeral_low()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_launch_server_pins_the_nccl_port_unless_given(tmp_path, monkeypatch):
+    import subprocess
+
+    from pagedweight.bench import server_process
+
+    seen = []
+
+    class FakePopen:
+        pid = 0
+
+        def __init__(self, cmd, **kw):
+            seen.append(cmd)
+
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    server_process.launch_server(tmp_path, ["--tp", "2"], {}, tmp_path / "a.log")
+    server_process.launch_server(tmp_path, ["--nccl-port", "12345"], {}, tmp_path / "b.log")
+    a, b = seen
+    assert a.count("--nccl-port") == 1 and int(a[a.index("--nccl-port") + 1]) != int(a[a.index("--port") + 1])
+    assert b.count("--nccl-port") == 1 and b[b.index("--nccl-port") + 1] == "12345"

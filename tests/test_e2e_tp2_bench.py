@@ -40,7 +40,8 @@ def test_tp2_bench_two_cpu_ranks(ap_qwen2_moe_g32, tiny_qwen2_moe, server_env, c
     doc = json.loads(out.read_text())
     h = doc["headline"]
     assert [r["system"] for r in doc["systems"]] == ["stock", "pagedweight", "pagedweight_bits_map"]
-    assert not any(r.get("error") for r in doc["systems"]), [r.get("error") for r in doc["systems"]]
+    errors = [f"{r['system']}: {r['error']}" for r in doc["systems"] if r.get("error")]
+    assert not errors, "\n\n".join(errors)  # whole, not pytest's shortened repr: the server log is in there
     assert h["tp_size"] == 2 and h["oom"] == 0 and h["servers_died"] == 0
     # Both ranks did the same, at the same iterations.
     assert h["digest_mismatches"] == 0

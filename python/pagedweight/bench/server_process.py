@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -15,10 +16,39 @@ from typing import Optional
 import requests
 
 
-def free_port() -> int:
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default lower bound
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(rng: Optional[random.Random] = None) -> int:
+    """A free TCP port below the kernel's ephemeral range.
+
+    The server binds its HTTP port only after loading the model. A port the kernel hands out as ephemeral
+    (bind to port 0) can meanwhile become the source port of any outgoing socket on the machine: the
+    server's own gloo sockets between TP ranks, or wait_healthy's own polling of that very port (a connect to
+    a local port nobody listens on can pick the same port as its source and connect to itself). uvicorn
+    then exits with code 3 ("address already in use"). Ports below the ephemeral range are only ever taken
+    by an explicit bind.
+    """
+    rng = rng or random.Random()
+    hi = max(_ephemeral_low() - 1, 12000)
+    for _ in range(200):
+        port = rng.randrange(10000, hi)
+        if _bindable(port):
+            return port
+    raise RuntimeError(f"no free TCP port in 10000..{hi} after 200 tries")
 
 
 @dataclass
@@ -50,6 +80,11 @@ def launch_server(
     port = port or free_port()
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), "--port", str(port)]
     cmd += ["--host", "127.0.0.1"] + extra_args
+    if "--nccl-port" not in extra_args:  # SGLang's default is an ephemeral port: the same race as above
+        nccl_port = free_port()
+        while nccl_port == port:
+            nccl_port = free_port()
+        cmd += ["--nccl-port", str(nccl_port)]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return ServerProcess(proc, port, log_path)
