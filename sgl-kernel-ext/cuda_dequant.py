@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from pagedweight.kernels.nvrtc import compile_cubin, load_kernel
 from pagedweight.kernels.weights import APMoEWeights
 
 NTHREADS = 256
@@ -46,20 +47,13 @@ def kernel_defines(scratch_dtype: torch.dtype, bits_max: int, uniform: bool = Fa
 
 
 def compile_to_cubin(defines: list[str], compute_capability: str) -> bytes:
-    """NVRTC compile of the kernel source (no device needed): the CI check that every variant builds."""
-    from torch.cuda._utils import _nvrtc_compile
-
-    cubin, _ = _nvrtc_compile(_SOURCE.read_text(), "ap_bcq_dequant", compute_capability, nvcc_options=defines)
-    return cubin
+    return compile_cubin(_SOURCE, "ap_bcq_dequant", compute_capability, defines)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(scratch_dtype: torch.dtype, bits_max: int, uniform: bool, device_index: int):
     """The compiled kernel for one variant on one device (compiled once per process)."""
-    with torch.cuda.device(device_index):
-        return torch.cuda._compile_kernel(
-            _SOURCE.read_text(), "ap_bcq_dequant", nvcc_options=kernel_defines(scratch_dtype, bits_max, uniform)
-        )
+    return load_kernel(_SOURCE, "ap_bcq_dequant", kernel_defines(scratch_dtype, bits_max, uniform), device_index)
 
 
 def dequantize_chunk_cuda(w: APMoEWeights, scratch: torch.Tensor, e0: int) -> None:

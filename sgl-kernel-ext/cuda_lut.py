@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from pagedweight.kernels.align import moe_align_block_size
+from pagedweight.kernels.nvrtc import compile_cubin, load_kernel
 from pagedweight.kernels.weights import APMoEWeights
 
 CHUNK = 128  # inputs per step of the kernel (one 16-byte load per plane and row)
@@ -111,22 +112,15 @@ def kernel_defines(mode: int, x_dtype: torch.dtype, block_m: int, bits_max: int,
 
 
 def compile_to_cubin(defines: list[str], compute_capability: str) -> bytes:
-    """NVRTC compile of the kernel source (no device needed): the CI check that every variant builds."""
-    from torch.cuda._utils import _nvrtc_compile
-
-    cubin, _ = _nvrtc_compile(_SOURCE.read_text(), "ap_lut_gemv", compute_capability, nvcc_options=defines)
-    return cubin
+    return compile_cubin(_SOURCE, "ap_lut_gemv", compute_capability, defines)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(mode: int, x_dtype: torch.dtype, block_m: int, bits_max: int, group_size: int, direct: bool,
             uniform: bool, device_index: int):
-    """The compiled kernel for one variant on one device (compiled once per process, ~1 s)."""
-    with torch.cuda.device(device_index):
-        return torch.cuda._compile_kernel(
-            _SOURCE.read_text(), "ap_lut_gemv",
-            nvcc_options=kernel_defines(mode, x_dtype, block_m, bits_max, group_size, direct, uniform),
-        )
+    """The compiled kernel for one variant on one device (compiled once per process)."""
+    defines = kernel_defines(mode, x_dtype, block_m, bits_max, group_size, direct, uniform)
+    return load_kernel(_SOURCE, "ap_lut_gemv", defines, device_index)
 
 
 def _launch(mode: int, x: torch.Tensor, out: torch.Tensor, w: APMoEWeights, cfg: LUTConfig, grid_m: int,

@@ -23,6 +23,7 @@ import torch
 
 from pagedweight.kernels.align import moe_align_block_size
 from pagedweight.kernels.config import expected_experts_hit
+from pagedweight.kernels.nvrtc import compile_cubin, load_kernel
 from pagedweight.kernels.weights import APMoEWeights
 
 CHUNK = 128  # inputs per lane and step (one 16-byte load per plane and row)
@@ -112,18 +113,13 @@ def prep_defines(mode: int, x_dtype: torch.dtype) -> list[str]:
 
 
 def compile_to_cubin(defines: list[str], compute_capability: str, name: str = "ap_mma_gemv") -> bytes:
-    """NVRTC compile of one kernel of the source (no device needed): the CI check that every variant builds."""
-    from torch.cuda._utils import _nvrtc_compile
-
-    cubin, _ = _nvrtc_compile(_SOURCE.read_text(), name, compute_capability, nvcc_options=defines)
-    return cubin
+    return compile_cubin(_SOURCE, name, compute_capability, defines)
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled(name: str, defines: tuple[str, ...], device_index: int):
-    """One compiled kernel per variant and device (once per process, ~1 s)."""
-    with torch.cuda.device(device_index):
-        return torch.cuda._compile_kernel(_SOURCE.read_text(), name, nvcc_options=list(defines))
+    """One compiled kernel per variant and device (once per process)."""
+    return load_kernel(_SOURCE, name, list(defines), device_index)
 
 
 def _prep(mode: int, x: torch.Tensor, rows: int, k: int, *, topk_weights=None, topk: int = 1,
