@@ -22,6 +22,7 @@ from pagedweight.kernels.config import (
     APKernelConfig,
     default_linear_config,
     default_moe_configs,
+    prefer_fold,
     prefer_lut,
     prefer_mma,
 )
@@ -29,7 +30,8 @@ from pagedweight.kernels.reference import ap_fused_moe_reference, ap_linear_refe
 from pagedweight.kernels.weights import APMoEWeights
 
 Backend = Literal["auto", "triton", "reference"]
-Kernel = Literal["auto", "tiles", "lut", "mma"]
+Kernel = Literal["auto", "tiles", "lut", "mma", "fold"]
+CUDA_KERNELS = ("lut", "mma", "fold")
 
 
 def triton_interpreting() -> bool:
@@ -51,26 +53,32 @@ def _pick_backend(t: torch.Tensor, backend: Backend) -> str:
 
 
 def _check_kernel(kernel: Kernel, path: str) -> None:
-    if kernel not in ("auto", "tiles", "lut", "mma"):
-        raise ValueError(f"kernel must be 'auto', 'tiles', 'lut' or 'mma', got {kernel!r}")
-    if kernel in ("lut", "mma") and path == "reference":
+    if kernel not in ("auto", "tiles") + CUDA_KERNELS:
+        raise ValueError(f"kernel must be 'auto', 'tiles', 'lut', 'mma' or 'fold', got {kernel!r}")
+    if kernel in CUDA_KERNELS and path == "reference":
         raise ValueError(f"kernel={kernel!r} cannot run: it is a CUDA kernel and the inputs are not on a CUDA device "
                          "(or backend='reference' was asked for)")
 
 
 def _use_cuda_kernel(name: str, kernel: Kernel, on_cuda: bool, weights: tuple[APMoEWeights, ...], wins: bool,
                      explicit_config: bool) -> bool:
-    """Whether the CUDA kernel `name` ("lut" or "mma") runs (kernel=name raises where it cannot)."""
+    """Whether the CUDA kernel `name` ("lut", "mma" or "fold") runs (kernel=name raises where it cannot)."""
     if kernel not in ("auto", name):
         return False
     if name == "lut":
         from pagedweight.kernels.cuda_lut import lut_unsupported as unsupported
-    else:
+    elif name == "mma":
         from pagedweight.kernels.cuda_mma import mma_unsupported as unsupported
+    else:
+        from pagedweight.kernels.cuda_fold import fold_unsupported as unsupported
 
     why = "it is a CUDA kernel and the inputs are not on a CUDA device" if not on_cuda else None
     for w in weights:
         why = why or unsupported(w)
+    if why is None and name == "fold" and len(weights) == 2:
+        from pagedweight.kernels.cuda_fold import fold_moe_unsupported
+
+        why = fold_moe_unsupported(*weights)
     if kernel == name:
         if why is not None:
             raise ValueError(f"kernel={name!r} cannot run: {why}")
@@ -109,12 +117,16 @@ def ap_fused_moe(
             activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
         )
     m, topk = topk_ids.shape
-    # the CUDA kernels in the order their rules are asked (their size ranges may overlap: the MMA one wins)
-    for name, wins in (("mma", prefer_mma(m, topk, w13.num_experts)), ("lut", prefer_lut(m, topk, w13.num_experts))):
+    # the CUDA kernels in the order their rules are asked (their size ranges overlap: the first eligible wins)
+    rules = (("fold", prefer_fold(m, topk, w13.num_experts, w2.K)), ("mma", prefer_mma(m, topk, w13.num_experts)),
+             ("lut", prefer_lut(m, topk, w13.num_experts)))
+    for name, wins in rules:
         if _use_cuda_kernel(name, kernel, hidden.is_cuda, (w13, w2), wins, configs is not None):
             if m == 0:
                 return torch.zeros_like(hidden)
-            if name == "mma":
+            if name == "fold":
+                from pagedweight.kernels.cuda_fold import ap_fused_moe_fold as fused_moe
+            elif name == "mma":
                 from pagedweight.kernels.cuda_mma import ap_fused_moe_mma as fused_moe
             else:
                 from pagedweight.kernels.cuda_lut import ap_fused_moe_lut as fused_moe
@@ -171,8 +183,14 @@ def ap_linear(
     _check_kernel(kernel, path)
     if path == "reference":
         return ap_linear_reference(x, w, row=row, bias=bias)
-    # the MMA kernel serves a dense linear when asked (kernel="mma"); it is not timed against the tiles on
-    # dense shapes yet, so "auto" keeps the measured LUT / tiles / dequantization rules
+    # the MMA and fold kernels serve a dense linear when asked (kernel="mma" / "fold"); they are not timed
+    # against the tiles on dense shapes yet, so "auto" keeps the measured LUT / tiles / dequantization rules
+    if _use_cuda_kernel("fold", kernel, x.is_cuda, (w,), False, config is not None):
+        from pagedweight.kernels.cuda_fold import ap_linear_fold
+
+        if x.shape[0] == 0:
+            return x.new_zeros(0, w.N)
+        return ap_linear_fold(x, w, row, bias)
     if _use_cuda_kernel("mma", kernel, x.is_cuda, (w,), False, config is not None):
         from pagedweight.kernels.cuda_mma import ap_linear_mma
 

@@ -207,3 +207,24 @@ def prefer_mma(num_tokens: int, topk: int, num_experts: int) -> bool:
     hit = max(expected_experts_hit(num_tokens, topk, num_experts), 1.0)
     per_expert = num_tokens * topk / hit
     return num_tokens > 1 and MMA_MIN_PAIRS_PER_EXPERT < per_expert <= MMA_MAX_PAIRS_PER_EXPERT
+
+
+# The fold kernel (cuda_fold.py, CUDA, ubcq, groups of a multiple of 128) is asked before the MMA and LUT kernels for
+# one token, and for more tokens while the intermediate size is at least FOLD_MIN_INTERMEDIATE and the pairs per
+# expected expert hit stay <= FOLD_MAX_PAIRS_PER_EXPERT. H200, 4 bits, every kernel in one run (docs/results/kernel.md,
+# run 16): fold ahead on Mixtral (M = 16: 331 us vs MMA 406; M = 64: 640 vs 1077) and Qwen1.5-MoE (I = 1408; within
+# 1% of MMA at M = 16), and at M = 1 on every shape but Qwen3's TP-2 shard (23.0 vs LUT 22.4); behind on Qwen3-30B-A3B
+# (I = 768, w2 has 6 chunks of K: the ring never fills) from M = 4 on: LUT 66.6 vs 72.3 us at M = 4, MMA 143 vs 146
+# at M = 16 and 236 vs 242 at M = 64.
+FOLD_MAX_PAIRS_PER_EXPERT = 24.0
+FOLD_MIN_INTERMEDIATE = 1024
+
+
+def prefer_fold(num_tokens: int, topk: int, num_experts: int, intermediate: int) -> bool:
+    """Whether the fold kernel is the default for this routing size and expert shape (ubcq tables it can read;
+    others fall through to the MMA / LUT / tile / prefill rules)."""
+    if num_tokens == 1:
+        return True
+    hit = max(expected_experts_hit(num_tokens, topk, num_experts), 1.0)
+    per_expert = num_tokens * topk / hit
+    return num_tokens > 1 and intermediate >= FOLD_MIN_INTERMEDIATE and per_expert <= FOLD_MAX_PAIRS_PER_EXPERT

@@ -1,0 +1,298 @@
+"""Small-batch AP MoE and linear over ubcq planes on tensor cores, scale and offset folded out of the
+per-weight work (cuda_fold_gemv.cu, NVRTC).
+
+The tensor cores multiply the raw q-bit codes (bit-transposed from the planes in registers) with the
+activations in their own 16-bit type; each group's scale and offset are applied once per (row, group,
+token) in fp32 from the group's activation sum (docs/kernels.md, "The fold kernel"). Against the MMA kernel
+(cuda_mma.py) this removes the per-weight fp16 subtract and fma, the activation range scaling, and the
+activation loads that made that kernel L1-bound: the plane bytes pass through a per-warp cp.async ring and
+reach the lanes by ldmatrix, the activations come in one coalesced load per lane from a layout written once
+per call. One call is prep (activations in the fragment order, their group sums, and the zeroing of every
+accumulator) + w13 (silu(gate) * up in its epilogue, written in w2's order) + w2 (the last block of each row
+block writes the output dtype), plus the alignment for more than one token.
+
+Scope: CUDA, ubcq tables, group sizes multiples of 128, K (and the intermediate size) multiples of 128,
+plane addresses 16-byte aligned. `fold_unsupported` says why a projection is not eligible.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedweight.kernels.align import moe_align_block_size
+from pagedweight.kernels.config import expected_experts_hit
+from pagedweight.kernels.nvrtc import compile_cubin, load_kernel
+from pagedweight.kernels.weights import APMoEWeights
+
+CHUNK = 128
+NWARPS = 4
+# H200 sweep (benchmark/fold_sweep.py, docs/results/kernel.md session 11): resident warps matter more than stages
+# in flight: an 8 KB ring per warp (two stages at 4 bits, one at 8) with registers capped for 4 blocks (16 warps)
+# per SM ran Mixtral M = 1 / 16 in 108 / 357 us, against 141 / 468 with 16 KB rings (3 blocks) and 155 / 493
+# with 24 KB (2 blocks); w13 with its K split over 2 warps was even or faster on every shape timed.
+DEFAULT_RING_KB = 8
+N_TILES = (1, 2)
+_SOURCE = Path(__file__).with_name("cuda_fold_gemv.cu")
+_DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+MODE_W13, MODE_W2, MODE_LINEAR = 0, 1, 2
+# prep source modes (ap_fold_prep): unit = token, pair (router weight on the input), m-block of pairs
+# (plain / router weight on the input), block of rows of a dense linear
+SRC_TOKEN, SRC_PAIR, SRC_BLOCK, SRC_BLOCK_WEIGHTED, SRC_ROWS = 0, 1, 2, 3, 4
+DEFAULT_MIN_BLOCKS = 4
+
+
+@dataclass(frozen=True)
+class FoldConfig:
+    n_tiles: int = 1  # 8 slots each, all of one expert per block (rows of x for a linear)
+    direct: bool = False  # one pair per block in routing order, its expert read from topk_ids (no alignment)
+    wk: int = 1  # warps of a block splitting its K range (MODE 0: summed in shared memory before silu)
+    k_per_split: int = 0  # MODE 1/2: inputs per block (0: all of K); summed with float32 atomics
+    min_blocks: int = DEFAULT_MIN_BLOCKS
+    stage_chunks: int = 4  # 128-input chunks per ring stage: 64-byte (4) or 128-byte (8) row pieces per plane
+    ring_kb: int = DEFAULT_RING_KB  # shared memory of each warp's ring (one stage of bits_max planes at least)
+    scale_stages: int = 3  # stages ahead that the (scale, offset) loads run (the tables come from DRAM)
+    act_prefetch: bool = True  # one n-tile: the next chunk's activations in flight (16 registers)
+
+    def __post_init__(self) -> None:
+        if self.stage_chunks not in (4, 8):
+            raise ValueError(f"stage_chunks must be 4 or 8, got {self.stage_chunks}")
+        if not 4 <= self.ring_kb <= 56:
+            raise ValueError(f"ring_kb must be in 4..56, got {self.ring_kb}")
+        if not 1 <= self.scale_stages <= 4:
+            raise ValueError(f"scale_stages must be in 1..4, got {self.scale_stages}")
+        if self.n_tiles not in N_TILES:
+            raise ValueError(f"n_tiles must be one of {N_TILES}, got {self.n_tiles}")
+        if self.wk not in (1, 2, 4):
+            raise ValueError(f"wk must be 1, 2 or 4, got {self.wk}")
+        if self.k_per_split < 0 or self.k_per_split % CHUNK:
+            raise ValueError(f"k_per_split must be 0 or a positive multiple of {CHUNK}, got {self.k_per_split}")
+        if self.direct and self.n_tiles != 1:
+            raise ValueError("direct (one pair per block) needs n_tiles 1")
+        if not 1 <= self.min_blocks <= 16:
+            raise ValueError(f"min_blocks must be in 1..16, got {self.min_blocks}")
+
+    @property
+    def slots(self) -> int:
+        return 1 if self.direct else 8 * self.n_tiles
+
+    @property
+    def shared_bytes(self) -> int:
+        return NWARPS * self.ring_kb * 1024
+
+    @property
+    def rows_per_block(self) -> int:  # A rows of one block (MODE 0: half are gate rows, half up rows)
+        return 16 * NWARPS // self.wk
+
+
+def fold_unsupported(w: APMoEWeights) -> str | None:
+    """Why the fold kernel cannot serve `w` (None when it can)."""
+    if w.table_kind != "ubcq":
+        return f"table kind {w.table_kind!r} (the fold kernel reads ubcq tables, whose weights are affine in the code)"
+    if w.group_size % CHUNK:
+        return f"ubcq group size {w.group_size} is not a multiple of {CHUNK}"
+    if w.K % w.group_size:
+        return f"K={w.K} is not a multiple of the group size {w.group_size}"
+    if not w.page_table.is_cuda:
+        return "the page table is not on a CUDA device"
+    return None
+
+
+def fold_moe_unsupported(w13: APMoEWeights, w2: APMoEWeights) -> str | None:
+    why = fold_unsupported(w13) or fold_unsupported(w2)
+    if why is None and w2.K % CHUNK:
+        return f"the intermediate size {w2.K} is not a multiple of {CHUNK}"
+    return why
+
+
+def require_fold(name: str, why: str | None) -> None:
+    if why is not None:
+        raise ValueError(f"{name}: the fold kernel cannot run: {why}")
+
+
+def gemv_defines(mode: int, cfg: FoldConfig, bits_max: int, group_size: int, compute: int, out: int = 0) -> list[str]:
+    return [f"-DMODE={mode}", f"-DNT={cfg.n_tiles}", f"-DPMAX={bits_max}", f"-DG={group_size}", f"-DCT={compute}",
+            f"-DOT={out}", f"-DWK={cfg.wk}", f"-DMINB={cfg.min_blocks}", f"-DDIRECT={int(cfg.direct)}",
+            f"-DRING={cfg.ring_kb * 1024}", f"-DSC={cfg.stage_chunks}", f"-DSPD={cfg.scale_stages}", f"-DBPF={int(cfg.act_prefetch)}"]
+
+
+def prep_defines(cfg: FoldConfig, group_size: int, compute: int, x_dtype: torch.dtype) -> list[str]:
+    return [f"-DMODE={MODE_W13}", f"-DNT={cfg.n_tiles}", f"-DG={group_size}", f"-DCT={compute}",
+            f"-DXT={_DTYPE_CODE[x_dtype]}", f"-DDIRECT={int(cfg.direct)}"]
+
+
+def compile_to_cubin(defines: list[str], compute_capability: str, name: str = "ap_fold_gemv") -> bytes:
+    return compile_cubin(_SOURCE, name, compute_capability, defines)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(name: str, defines: tuple[str, ...], device_index: int, shared_bytes: int = 0):
+    """One compiled kernel per variant and device (once per process)."""
+    kernel = load_kernel(_SOURCE, name, list(defines), device_index)
+    if shared_bytes:
+        kernel.set_shared_memory_config(shared_bytes)
+    return kernel
+
+
+def compute_code(dtype: torch.dtype) -> int:
+    """The activations' 16-bit type: fp16 for fp16 inputs, bf16 for bf16 and fp32 (fp16's range is too small)."""
+    return 1 if dtype == torch.float16 else 0
+
+
+def _split_chunks(total_chunks: int, group_chunks: int, splits: int) -> int:
+    """Inputs per K slice: whole groups, about total / splits."""
+    groups = total_chunks // group_chunks
+    per = -(-groups // max(1, splits))
+    return per * group_chunks * CHUNK
+
+
+def default_fold_configs(m: int, topk: int, w13: APMoEWeights, w2: APMoEWeights, num_sms: int,
+                         blocks_per_sm: float = 1.5) -> tuple[FoldConfig, FoldConfig]:
+    """One pair per block for one token; else blocks of 8 (or 16) slots of one expert. w13 splits K across 2
+    warps of a block (4 while the grid holds fewer than `blocks_per_sm` blocks per SM), w2 across blocks
+    until it holds that many."""
+    pairs = m * topk
+    if m == 1:
+        nt, direct, units = 1, True, float(pairs)
+    else:
+        hit = max(1.0, expected_experts_hit(m, topk, w13.num_experts))
+        nt = 1 if pairs / hit <= 10 else 2
+        direct, units = False, max(hit, pairs / (8 * nt))
+    target = blocks_per_sm * num_sms
+    inter = w2.K
+    chunks13, gc13 = w13.K // CHUNK, w13.group_size // CHUNK
+    wk = 2 if chunks13 // gc13 >= 2 else 1
+    while wk < 4 and units * -(-inter // (8 * NWARPS // wk)) < target and chunks13 // gc13 >= 2 * wk:
+        wk *= 2
+    chunks2, gc2 = w2.K // CHUNK, w2.group_size // CHUNK
+    row_blocks2 = -(-w2.N // (16 * NWARPS))
+    splits = 1
+    while units * row_blocks2 * splits < target and splits * 2 <= chunks2 // gc2:
+        splits *= 2
+    cfg13 = FoldConfig(n_tiles=nt, direct=direct, wk=wk)
+    cfg2 = FoldConfig(n_tiles=nt, direct=direct, k_per_split=_split_chunks(chunks2, gc2, splits))
+    return cfg13, cfg2
+
+
+def _gemv(mode: int, cfg: FoldConfig, w: APMoEWeights, compute: int, out_code: int, device: torch.device,
+          grid: tuple[int, int, int], *, xf, xs, topk_weights, sorted_ids, expert_ids, post_pad, xf_out, xs_out,
+          acc_out, out, counters, bias, num_pairs: int, topk: int, n_out: int, m_rows: int, k_per_split: int,
+          row_index: int, apply_w_in: bool, g_out: int, xunit_per_pair: bool, has_bias: bool = False) -> None:
+    kernel = _compiled("ap_fold_gemv", tuple(gemv_defines(mode, cfg, w.bits_max, w.group_size, compute, out_code)),
+                       device.index or 0, cfg.shared_bytes)
+    kernel(grid=grid, block=(32 * NWARPS, 1, 1), shared_mem=cfg.shared_bytes,
+           args=[xf, xs, w.page_table, topk_weights, sorted_ids, expert_ids, post_pad, xf_out, xs_out, acc_out, out,
+                 counters, bias, num_pairs, topk, n_out, w.N, w.K, m_rows, k_per_split, row_index, int(apply_w_in),
+                 w.num_experts, w.page_table.stride(0), g_out, int(xunit_per_pair), int(has_bias)])
+
+
+def _prep(cfg: FoldConfig, x: torch.Tensor, group_size: int, compute: int, units: int, src_mode: int, *,
+          topk_weights, sorted_ids, post_pad, num_pairs: int, topk: int, m_rows: int, zero: torch.Tensor,
+          dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(activations in the fragment order, their group sums) for `units` units; zeroes `zero` too."""
+    k = x.shape[1]
+    xf = torch.empty(units * (k // CHUNK) * cfg.n_tiles * 1024, dtype=torch.int16, device=x.device)
+    xs = torch.empty(units * (k // group_size) * cfg.slots, dtype=torch.float32, device=x.device)
+    kernel = _compiled("ap_fold_prep", tuple(prep_defines(cfg, group_size, compute, x.dtype)), x.device.index or 0)
+    kernel(grid=(units, k // group_size, 1), block=(256, 1, 1),
+           args=[x, x.stride(0), topk_weights if topk_weights is not None else dummy,
+                 sorted_ids if sorted_ids is not None else dummy, post_pad if post_pad is not None else dummy,
+                 int(post_pad is not None), xf, xs, num_pairs, topk, k, m_rows, src_mode, zero, zero.numel()])
+    return xf, xs
+
+
+def ap_fused_moe_fold(
+    hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: APMoEWeights, w2: APMoEWeights,
+    *, apply_router_weight_on_input: bool = False, configs: tuple[FoldConfig, FoldConfig] | None = None,
+) -> torch.Tensor:
+    """gate/up -> silu * up -> down with routing weights; [M, H] in hidden's dtype."""
+    require_fold("moe", fold_moe_unsupported(w13, w2))
+    m, topk = topk_ids.shape
+    num_pairs = m * topk
+    dev = hidden.device
+    if configs is None:
+        configs = default_fold_configs(m, topk, w13, w2, torch.cuda.get_device_properties(dev).multi_processor_count)
+    c13, c2 = configs
+    if (c13.slots, c13.direct) != (c2.slots, c2.direct):
+        raise ValueError("w13 and w2 fold configs must share the block layout (one alignment)")
+    x = hidden.contiguous()
+    tw = topk_weights.contiguous().float()
+    compute = compute_code(x.dtype)
+    inter, H = w2.K, w2.N
+    if c13.direct:
+        units = num_pairs
+        x_units, src = (num_pairs, SRC_PAIR) if apply_router_weight_on_input else (m, SRC_TOKEN)
+        sorted_ids = post_pad = None
+        expert_ids = topk_ids.reshape(-1).to(torch.int32)
+    else:
+        align = moe_align_block_size(topk_ids, c13.slots, w13.num_experts)
+        units = x_units = align.max_blocks
+        src = SRC_BLOCK_WEIGHTED if apply_router_weight_on_input else SRC_BLOCK
+        sorted_ids, expert_ids, post_pad = align.sorted_ids, align.expert_ids, align.num_tokens_post_padded
+    row_blocks2 = -(-H // c2.rows_per_block)
+    ng2 = inter // w2.group_size
+    # one zeroed buffer (by the prep kernel): w2's float32 output, w2's activation sums, w2's row-block counters
+    zero = torch.empty(m * H + units * ng2 * c2.slots + row_blocks2, dtype=torch.float32, device=dev)
+    acc = zero[: m * H]
+    xs2 = zero[m * H : m * H + units * ng2 * c2.slots]
+    counters = zero[m * H + units * ng2 * c2.slots :].view(torch.int32)
+    xf13, xs13 = _prep(c13, x, w13.group_size, compute, x_units, src, topk_weights=tw, sorted_ids=sorted_ids,
+                       post_pad=post_pad, num_pairs=num_pairs, topk=topk, m_rows=m, zero=zero, dummy=tw)
+    xf2 = torch.empty(units * (inter // CHUNK) * c2.n_tiles * 1024, dtype=torch.int16, device=dev)
+    out = torch.empty(m, H, dtype=hidden.dtype, device=dev)
+    dummy = tw
+    common = dict(topk_weights=tw, sorted_ids=sorted_ids if sorted_ids is not None else dummy,
+                  expert_ids=expert_ids, post_pad=post_pad if post_pad is not None else dummy,
+                  num_pairs=num_pairs, topk=topk, m_rows=m, row_index=0, apply_w_in=apply_router_weight_on_input)
+    _gemv(MODE_W13, c13, w13, compute, 0, dev, (units, -(-inter // (c13.rows_per_block // 2)), 1),
+          xf=xf13, xs=xs13, xf_out=xf2, xs_out=xs2, acc_out=dummy, out=dummy, counters=dummy, bias=dummy,
+          n_out=inter, k_per_split=w13.K, g_out=w2.group_size, xunit_per_pair=apply_router_weight_on_input,
+          **common)
+    kps = c2.k_per_split or inter
+    _gemv(MODE_W2, c2, w2, compute, _DTYPE_CODE[hidden.dtype], dev, (units, row_blocks2, -(-inter // kps)),
+          xf=xf2, xs=xs2, xf_out=dummy, xs_out=dummy, acc_out=acc, out=out, counters=counters, bias=dummy,
+          n_out=H, k_per_split=kps, g_out=w2.group_size, xunit_per_pair=True, **common)
+    return out
+
+
+def default_linear_fold_config(m: int, w: APMoEWeights, num_sms: int, blocks_per_sm: int = 3) -> FoldConfig:
+    nt = 1 if m <= 8 else 2
+    blocks = -(-m // (8 * nt)) * -(-w.N // (16 * NWARPS))
+    chunks, gc = w.K // CHUNK, w.group_size // CHUNK
+    splits = 1
+    while blocks * splits < blocks_per_sm * num_sms and splits * 2 <= chunks // gc:
+        splits *= 2
+    return FoldConfig(n_tiles=nt, k_per_split=_split_chunks(chunks, gc, splits))
+
+
+def ap_linear_fold(x: torch.Tensor, w: APMoEWeights, row: int, bias: torch.Tensor | None,
+                   config: FoldConfig | None = None) -> torch.Tensor:
+    """y = x @ W_row^T (+ bias): the rows of x in blocks of 8 * n_tiles."""
+    require_fold("linear", fold_unsupported(w))
+    m = x.shape[0]
+    x = x.contiguous()
+    dev = x.device
+    cfg = config or default_linear_fold_config(m, w, torch.cuda.get_device_properties(dev).multi_processor_count)
+    if cfg.direct:
+        raise ValueError("a dense linear has no routing: direct (one pair per block) is for the MoE modes")
+    compute = compute_code(x.dtype)
+    units = -(-m // cfg.slots)
+    row_blocks = -(-w.N // cfg.rows_per_block)
+    zero = torch.empty(m * w.N + row_blocks, dtype=torch.float32, device=dev)
+    acc, counters = zero[: m * w.N], zero[m * w.N :].view(torch.int32)
+    dummy = zero
+    xf, xs = _prep(cfg, x, w.group_size, compute, units, SRC_ROWS, topk_weights=None, sorted_ids=None, post_pad=None,
+                   num_pairs=m, topk=1, m_rows=m, zero=zero, dummy=dummy)
+    out = torch.empty(m, w.N, dtype=x.dtype, device=dev)
+    kps = cfg.k_per_split or w.K
+    b = bias.to(x.dtype).contiguous() if bias is not None else None
+    _gemv(MODE_LINEAR, cfg, w, compute, _DTYPE_CODE[x.dtype], dev, (units, row_blocks, -(-w.K // kps)),
+          xf=xf, xs=xs, topk_weights=dummy, sorted_ids=dummy, expert_ids=dummy, post_pad=dummy, xf_out=dummy,
+          xs_out=dummy, acc_out=acc, out=out, counters=counters, bias=b if b is not None else dummy, num_pairs=m,
+          topk=1, n_out=w.N, m_rows=m, k_per_split=kps, row_index=row, apply_w_in=False, g_out=w.group_size,
+          xunit_per_pair=True, has_bias=b is not None)
+    return out

@@ -1,0 +1,713 @@
+// Small-batch AP MoE / linear over ubcq bit-planes on tensor cores, with each group's scale and offset folded
+// out of the per-weight work ("fold" kernel). Compiled at first use with NVRTC (cuda_fold.py); no CUDA headers.
+//
+// ubcq weight (docs/format.md): W[n, k] = 2 s c + z, z = o - s (2^q - 1), c the q-bit code (plane 0 = MSB),
+// (s, o) = table[0 / 1][n, k / G]. Per group of G inputs the dot product splits into
+//     sum_k W x = 2 s sum_k c x + z S,   S = sum of the group's activations,
+// so the tensor cores multiply raw codes, and scale and offset are applied once per (row, group, token) in
+// fp32. The codes enter the MMA through the exponent trick with no subtraction: the 16-bit pattern MAGIC | c
+// is the value BIAS + c (bf16: 0x4300 = 128, fp16: 0x6400 = 1024), exact, so the MMA accumulates
+// sum (BIAS + c) x = sum c x + BIAS S, and the epilogue removes BIAS S in fp32 together with adding z S:
+//     y += A acc + (z - BIAS A) S,   A = 2 s 2^(q-4)   (q <= 4: the nibble holds c4 = c << (4 - q));
+// q > 4 reads c8 = c << (8 - q) = 16 c_hi + c_lo as two nibbles with two accumulators:
+//     y += A (16 acc_hi + acc_lo) + (z - 17 BIAS A) S,   A = 2 s 2^(q-8).
+// Per weight that leaves the bit transposition (a shift and a lop3 per plane and 8 codes) and one lop3 per
+// two codes. The activations stay in their own 16-bit type (bf16 for bf16 / fp32 inputs, fp16 for fp16), so
+// there is no range scaling.
+//
+// One warp: 16 A rows (MODE 0: gate rows n0..n0+7 in rows 0..7 and their up rows I+n0.. in rows 8..15;
+// MODE 1/2: 16 consecutive rows) x a K range in chunks of 128 inputs. Lane (g, t) holds the 32-input quarter
+// t of each chunk for its rows g and g + 8, so the 16 inputs of an mma lie in one group. The plane bytes pass
+// through a per-warp ring in shared memory: cp.async copies 16 rows x 4 chunks (64 bytes) per plane and
+// stage, and one ldmatrix.x4 gives each lane word t of four (plane, row-half) rows of a chunk, which is the
+// 4 x 4 word transposition that puts quarter t in lane t.
+// Bit transposition: nibble i of out_j (j = 0..3) holds the code of input 4 i + j of the quarter; an mma takes
+// nibbles (e, e + 4) of out_j as the half pair of slots (2t, 2t+1) or (2t+8, 2t+9).
+// Activations arrive in that order from ap_fold_prep (w13, linear) or the w13 epilogue (w2): per unit (m-block,
+// or row / pair with DIRECT), chunk, n-tile and j, 32 lanes x 8 16-bit values; value 2 e + h of lane (g, t)
+// is input 32 t + 4 (e + 4 h) + j of slot g. One coalesced 16-byte load per lane feeds 2 mma.
+//
+// MODE 0: MoE gate/up; silu(gate) * up is formed in the epilogue (gate and up of one n share a lane) and stored,
+//         rounded to the compute type, in w2's activation order, with its group sums (float32 atomics).
+// MODE 1: MoE down, times the routing weight, float32 atomics into [M, N]; the last block of each row block
+//         converts its rows to the output dtype (one counter per row block; the prep kernel zeroes them).
+// MODE 2: dense linear (rows of x in blocks of 8 NT), the same finish plus the bias.
+
+#ifndef MODE
+#error "MODE must be defined"
+#endif
+#ifndef NT
+#define NT 1  // n-tiles of 8 slots per block
+#endif
+#ifndef PMAX
+#define PMAX 8
+#endif
+#ifndef G
+#define G 128  // group size, a multiple of 128
+#endif
+#ifndef CT
+#define CT 0  // activations: 0 bf16, 1 fp16
+#endif
+#ifndef OT
+#define OT 0  // MODE 1/2 output dtype: 0 bf16, 1 fp16, 2 fp32
+#endif
+#ifndef XT
+#define XT 0  // prep input dtype: 0 bf16, 1 fp16, 2 fp32
+#endif
+#ifndef WK
+#define WK 1  // warps of a block splitting its K range (the others split rows)
+#endif
+#ifndef MINB
+#define MINB 1  // blocks per SM the register allocation must allow
+#endif
+#ifndef DIRECT
+#define DIRECT 0  // MODE 0/1: block x is pair x, its expert topk_ids[x] (no sorted layout, one slot)
+#endif
+#ifndef RING
+#define RING 16384  // shared-memory bytes of each warp's plane ring
+#endif
+#ifndef BPF
+#define BPF 1  // NT 1: the next chunk's activations load while this chunk is multiplied (16 registers)
+#endif
+#ifndef SPD
+#define SPD 3  // stages ahead that the (scale, offset) loads run
+#endif
+#ifndef SC
+#define SC 4  // chunks per ring stage (4: 64-byte row pieces per plane, 8: 128-byte pieces)
+#endif
+#if SC != 4 && SC != 8
+#error "SC must be 4 or 8"
+#endif
+#if DIRECT && (NT != 1 || MODE == 2)
+#error "DIRECT needs NT 1 and an MoE mode"
+#endif
+#if G % 128
+#error "G must be a multiple of 128"
+#endif
+#if WK != 1 && WK != 2 && WK != 4
+#error "WK must be 1, 2 or 4"
+#endif
+
+#define NWARPS 4
+#define WR (NWARPS / WK)  // row tiles per block
+#define SLOTS (DIRECT ? 1 : 8 * NT)
+#define CHUNK 128
+#define GC (G / CHUNK)                      // chunks per group
+#define UNIT_CHUNK_ELEMS (NT * 4 * 32 * 8)  // 16-bit activation values of one unit and chunk
+
+#if CT == 0
+#define MAGIC 0x43004300u
+#define BIAS 128.f
+#define MMA_TYPE "bf16"
+#else
+#define MAGIC 0x64006400u
+#define BIAS 1024.f
+#define MMA_TYPE "f16"
+#endif
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+__device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {  // (a & b) | c
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f2ct(float f) {  // float -> the compute type, round to nearest even
+    u16 h;
+#if CT == 0
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#endif
+    return h;
+}
+
+__device__ __forceinline__ float ct2f(u16 h) {
+#if CT == 0
+    return __uint_as_float(((u32)h) << 16);
+#else
+    return h2f(h);
+#endif
+}
+
+__device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE
+                 ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void ldsm_x2(u32 addr, u32& r0, u32& r1) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(addr) : "memory");
+}
+
+__device__ __forceinline__ uint4 ldg128(const u16* p) { return __ldg((const uint4*)p); }
+
+// 4 x 4 bit transposition inside every nibble of four words (two delta-swap stages, 4 shifts and 4 lop3 each):
+// on return nibble i of w[j] holds bit j of nibble i of the old w[0..3] in its bits 0..3 (old w[r] -> bit r).
+// Fed with the planes in reverse (w[r] = plane 3 - r), w[j] then holds in nibble i the 4-bit code (plane p at
+// bit 3 - p) of input 4 i + j.
+__device__ __forceinline__ u32 lop3_sel(u32 a, u32 b, u32 m) {  // (a & m) | (b & ~m)
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(d) : "r"(a), "r"(b), "r"(m));
+    return d;
+}
+
+__device__ __forceinline__ void transpose4(u32* w) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // rows r, r + 2: bits 2-3 of row r <-> bits 0-1 of row r + 2
+        const u32 a = w[r], b = w[r + 2];
+        w[r] = lop3_sel(a, b << 2, 0x33333333u);
+        w[r + 2] = lop3_sel(b, a >> 2, 0xCCCCCCCCu);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; r += 2) {  // rows r, r + 1: bits 1, 3 of row r <-> bits 0, 2 of row r + 1
+        const u32 a = w[r], b = w[r + 1];
+        w[r] = lop3_sel(a, b << 1, 0x55555555u);
+        w[r + 1] = lop3_sel(b, a >> 1, 0xAAAAAAAAu);
+    }
+}
+
+// nibble codes of inputs 4 i + j (j = 0..3) from NP <= 4 plane words (plane p -> bit 3 - p; missing planes 0)
+template <int NP>
+__device__ __forceinline__ void codes_of(const u32* planes, u32* out) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) out[r] = 3 - r < NP ? planes[3 - r] : 0u;
+    transpose4(out);
+}
+
+// the mma operand (BIAS + c_e, BIAS + c_{e+4}) of nibbles e and e + 4 of v
+__device__ __forceinline__ u32 code_pair(u32 v, int e) { return lop3_and_or(v >> (4 * e), 0x000F000Fu, MAGIC); }
+
+// the 8 codes of word j of rows g (va) and g + 8 (vb) times every n-tile's activations, into acc: two mma, the
+// code pairs (e0, e0 + 4) in slots (2t, 2t+1) and (e0 + 1, e0 + 5) in slots (2t+8, 2t+9), e0 = 0, 2
+__device__ __forceinline__ void mma_codes(float (*acc)[4], u32 va, u32 vb, const uint4 (*b)[4], int j) {
+#pragma unroll
+    for (int e0 = 0; e0 < 4; e0 += 2) {
+        const u32 a0 = code_pair(va, e0), a1 = code_pair(vb, e0);
+        const u32 a2 = code_pair(va, e0 + 1), a3 = code_pair(vb, e0 + 1);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const uint4 bv = b[nt][j];
+            mma16816(acc[nt], a0, a1, a2, a3, e0 == 0 ? bv.x : bv.z, e0 == 0 ? bv.y : bv.w);
+        }
+    }
+}
+
+// 16-bit element offset of input k of slot s inside one unit's activations
+__device__ __forceinline__ long long act_offset(int k, int s) {
+    const int c = k >> 7, t = (k >> 5) & 3, kk = k & 31;
+    const int j = kk & 3, nib = kk >> 2;
+    const int e = nib & 3, h = nib >> 2;
+    const int nt = s >> 3, lane = ((s & 7) << 2) | t;
+    return (((long long)c * NT + nt) * 4 + j) * 256 + lane * 8 + 2 * e + h;
+}
+
+struct Coef {  // per (row, group): y += a * acc + b * S
+    float a, b;
+};
+
+template <int Q>
+__device__ __forceinline__ Coef make_coef(u16 s16, u16 o16) {
+    const float s = h2f(s16), o = h2f(o16);
+    const float z = o - s * (float)((1 << Q) - 1);
+    Coef c;
+    if (Q <= 4) {
+        c.a = 2.f * s * __int_as_float((127 + Q - 4) << 23);  // 2 s 2^(q-4)
+        c.b = z - BIAS * c.a;
+    } else {
+        c.a = 2.f * s * __int_as_float((127 + Q - 8) << 23);  // 2 s 2^(q-8)
+        c.b = z - 17.f * BIAS * c.a;
+    }
+    return c;
+}
+
+// pair of slot i of this block, -1 for padding
+__device__ __forceinline__ int pair_of(int i, int num_pairs, const int* sorted_ids) {
+    if (i >= SLOTS) return -1;
+#if DIRECT
+    const int p = (int)blockIdx.x;
+#elif MODE == 2
+    const int p = blockIdx.x * SLOTS + i;
+#else
+    const int p = sorted_ids[blockIdx.x * SLOTS + i];
+#endif
+    return p < num_pairs ? p : -1;
+}
+
+// ------------------------------------------------------------ one warp: 16 rows x chunks [c_begin, c_end)
+template <int Q>
+__device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, const float* xs, int n_table, int K,
+                                          unsigned char* ring, int ra, int rb, int c_begin, int c_end,
+                                          float (*y)[4]) {
+    constexpr int NP_HI = Q < 4 ? Q : 4;
+    constexpr int NP_LO = Q > 4 ? Q - 4 : 0;
+    constexpr int PLANE_BYTES = 16 * SC * 16;  // one plane of a stage: 16 rows x SC chunks x 16 bytes
+    constexpr int STAGE_BYTES = Q * PLANE_BYTES;
+    constexpr int DR = RING / STAGE_BYTES;
+    constexpr int D = DR > 8 ? 8 : (DR < 1 ? 1 : DR);  // stages in flight (1: the warp waits for each stage)
+    static_assert(DR >= 1, "RING must hold one stage of PMAX planes");
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const long long row_bytes = K >> 3;
+    const int ngroups = K / G;
+    const u16* table = (const u16*)prow[1];
+    // cp.async of this lane: tile rows g and g + 8 (global rows ra, rb), 16-byte chunks t (and t + 4) of each
+    // stage, into the swizzled slot (row r, chunk i) -> r * 16 SC + 16 (i ^ swz(r)) of each plane's piece:
+    // conflict-free ldmatrix phases (8 rows of one chunk) and cp.async phases (2 rows x 4 chunks)
+    const unsigned char* src[Q];
+#pragma unroll
+    for (int p = 0; p < Q; ++p)
+        src[p] = (const unsigned char*)prow[2 + p] + (long long)ra * row_bytes + (long long)(c_begin + t) * 16;
+    const long long drow = (long long)(rb - ra) * row_bytes;
+    auto swz = [](int r) { return SC == 4 ? (r >> 1) & 3 : ((r & 1) << 2) | ((r >> 1) & 3); };
+    const u32 ring_base = smem_u32(ring);
+    const u32 dst_a = (u32)(g * SC * 16 + ((t ^ swz(g)) << 4)), dst_b = (u32)((g + 8) * SC * 16 + ((t ^ swz(g + 8)) << 4));
+    const u32 dst_a4 = (u32)(g * SC * 16 + (((t + 4) ^ swz(g)) << 4));
+    const u32 dst_b4 = (u32)((g + 8) * SC * 16 + (((t + 4) ^ swz(g + 8)) << 4));
+    // ldmatrix row address of this lane: matrix m = lane / 8 -> (plane +m/2, row half m%2), row lane % 8
+    const int lm = lane >> 3, lr = (lane & 7) + 8 * (lm & 1);
+    const u32 lsm = (u32)((lm >> 1) * PLANE_BYTES + lr * SC * 16);
+    const int lsw = swz(lr);
+    // table rows of ra and rb (scale at [0], offset at [n_table * ngroups])
+    const u16* tab_a = table + (long long)ra * ngroups;
+    const u16* tab_b = table + (long long)rb * ngroups;
+    const int toff = n_table * ngroups;
+    const u16* xl = xf + lane * 8;
+
+    const int nstages = (c_end - c_begin + SC - 1) / SC;
+    auto issue = [&](int st) {
+        const int c = c_begin + st * SC + t;
+        if (st < nstages && c < c_end) {
+            const u32 base = ring_base + (u32)((st % D) * STAGE_BYTES);
+            const long long so = (long long)st * SC * 16;
+#pragma unroll
+            for (int p = 0; p < Q; ++p) {
+                cp_async16(base + p * PLANE_BYTES + dst_a, src[p] + so);
+                cp_async16(base + p * PLANE_BYTES + dst_b, src[p] + so + drow);
+            }
+            if (SC == 8 && c + 4 < c_end) {
+#pragma unroll
+                for (int p = 0; p < Q; ++p) {
+                    cp_async16(base + p * PLANE_BYTES + dst_a4, src[p] + so + 64);
+                    cp_async16(base + p * PLANE_BYTES + dst_b4, src[p] + so + 64 + drow);
+                }
+            }
+        }
+        cp_async_commit();
+    };
+    // (scale, offset) of rows ra, rb for the group of stage position t + 4 h
+    auto load_scales = [&](int st, int h, u16* sc) {
+        const int c = c_begin + st * SC + t + 4 * h;
+        if (st < nstages && c < c_end) {
+            const int grp = (c * CHUNK) / G;
+            sc[0] = __ldg(tab_a + grp);
+            sc[1] = __ldg(tab_a + toff + grp);
+            sc[2] = __ldg(tab_b + grp);
+            sc[3] = __ldg(tab_b + toff + grp);
+        } else {
+            sc[0] = sc[1] = sc[2] = sc[3] = 0;
+        }
+    };
+    auto load_act = [&](int c, uint4 (*b)[4]) {
+        const u16* pc = xl + (long long)c * UNIT_CHUNK_ELEMS;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+#if DIRECT
+                b[nt][v] = g == 0 ? ldg128(pc + v * 256) : make_uint4(0u, 0u, 0u, 0u);
+#else
+                b[nt][v] = ldg128(pc + (nt * 4 + v) * 256);
+#endif
+            }
+    };
+
+#pragma unroll
+    for (int st = 0; st < D - 1; ++st) issue(st);
+    constexpr int NH = SC / 4;  // coefficient sets per lane and stage
+    // the tables come from DRAM: their loads run PD stages ahead (rotated through registers)
+    constexpr int PD = SPD;
+    u16 sc[PD][NH][4];
+#pragma unroll
+    for (int d = 0; d < PD; ++d)
+#pragma unroll
+        for (int h = 0; h < NH; ++h) load_scales(d, h, sc[d][h]);
+    float acc[NT][4], acc_lo[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[nt][c] = acc_lo[nt][c] = 0.f;
+    // activations: double-buffered for one n-tile (the next chunk's load is in flight), else loaded per chunk
+    constexpr bool PREFETCH = NT == 1 && BPF;
+    uint4 bq[PREFETCH ? 2 : 1][NT][4];
+    if (PREFETCH) load_act(c_begin, bq[0]);
+
+    for (int st = 0; st < nstages; ++st) {
+        issue(st + D - 1);  // into the slot stage st - 1 used (every lane passed the __syncwarp below)
+        cp_async_wait<D - 1>();
+        __syncwarp();
+        Coef ca[NH], cb[NH];
+#pragma unroll
+        for (int h = 0; h < NH; ++h) {
+            ca[h] = make_coef<Q>(sc[0][h][0], sc[0][h][1]);
+            cb[h] = make_coef<Q>(sc[0][h][2], sc[0][h][3]);
+        }
+#pragma unroll
+        for (int d = 0; d + 1 < PD; ++d)
+#pragma unroll
+            for (int h = 0; h < NH; ++h)
+#pragma unroll
+                for (int k = 0; k < 4; ++k) sc[d][h][k] = sc[d + 1][h][k];
+#pragma unroll
+        for (int h = 0; h < NH; ++h) load_scales(st + PD, h, sc[PD - 1][h]);
+        // group sums of the stage's groups (L2), loaded before the stage's work
+        float2 S_st[SC][NT];
+#pragma unroll
+        for (int i = 0; i < SC; ++i) {
+            const int c = c_begin + st * SC + i;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                S_st[i][nt] = make_float2(0.f, 0.f);
+                if ((c + 1) % GC == 0 && c < c_end) {
+                    const long long grp = (c * CHUNK) / G;
+#if DIRECT
+                    S_st[i][nt] = make_float2(t == 0 ? __ldg(xs + grp) : 0.f, 0.f);
+#else
+                    S_st[i][nt] = __ldg((const float2*)(xs + grp * SLOTS + nt * 8 + 2 * t));
+#endif
+                }
+            }
+        }
+        const u32 sbase = ring_base + (u32)((st % D) * STAGE_BYTES);
+#pragma unroll
+        for (int i = 0; i < SC; ++i) {
+            const int c = c_begin + st * SC + i;
+            if (c < c_end) {  // uniform over the warp
+                uint4(*b)[4] = bq[PREFETCH ? (i & 1) : 0];
+                if (!PREFETCH) load_act(c, bq[0]);
+                else if (c + 1 < c_end) load_act(c + 1, bq[PREFETCH ? ((i + 1) & 1) : 0]);
+                const bool group_end = (c + 1) % GC == 0;
+                const float2* S = S_st[i];
+                // plane words of this chunk: w[p][0] row g, w[p][1] row g + 8, word t
+                u32 wa[Q], wb[Q];
+#pragma unroll
+                for (int pp = 0; pp < Q / 2; ++pp)
+                    ldsm_x4(sbase + pp * 2 * PLANE_BYTES + lsm + ((i ^ lsw) << 4), wa[2 * pp], wb[2 * pp],
+                            wa[2 * pp + 1], wb[2 * pp + 1]);
+                if (Q & 1) ldsm_x2(sbase + (Q - 1) * PLANE_BYTES + lsm + ((i ^ lsw) << 4), wa[Q - 1], wb[Q - 1]);
+                u32 ca4[4], cb4[4], la4[4], lb4[4];
+                codes_of<NP_HI>(wa, ca4);
+                codes_of<NP_HI>(wb, cb4);
+                if constexpr (NP_LO > 0) {
+                    codes_of<NP_LO>(wa + 4, la4);
+                    codes_of<NP_LO>(wb + 4, lb4);
+                }
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    mma_codes(acc, ca4[j], cb4[j], b, j);
+                    if constexpr (NP_LO > 0) mma_codes(acc_lo, la4[j], lb4[j], b, j);
+                }
+                if (group_end) {
+                    const int src = g * 4 + (i & 3);  // the lane that read this group's (scale, offset)
+                    const Coef& xa = ca[i >> 2];
+                    const Coef& xb = cb[i >> 2];
+                    const float aa = __shfl_sync(0xffffffffu, xa.a, src), ba = __shfl_sync(0xffffffffu, xa.b, src);
+                    const float ab = __shfl_sync(0xffffffffu, xb.a, src), bb = __shfl_sync(0xffffffffu, xb.b, src);
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        float v[4];
+#pragma unroll
+                        for (int c2 = 0; c2 < 4; ++c2) {
+                            v[c2] = NP_LO > 0 ? fmaf(16.f, acc[nt][c2], acc_lo[nt][c2]) : acc[nt][c2];
+                            acc[nt][c2] = acc_lo[nt][c2] = 0.f;
+                        }
+                        y[nt][0] = fmaf(aa, v[0], fmaf(ba, S[nt].x, y[nt][0]));
+                        y[nt][1] = fmaf(aa, v[1], fmaf(ba, S[nt].y, y[nt][1]));
+                        y[nt][2] = fmaf(ab, v[2], fmaf(bb, S[nt].x, y[nt][2]));
+                        y[nt][3] = fmaf(ab, v[3], fmaf(bb, S[nt].y, y[nt][3]));
+                    }
+                }
+            }
+        }
+        __syncwarp();
+    }
+    cp_async_wait<0>();
+}
+
+#define Q_SWITCH(q, CALL) \
+    switch (q) {          \
+        CASE_Q(1, CALL)   \
+        CASE_Q(2, CALL)   \
+        CASE_Q(3, CALL)   \
+        CASE_Q(4, CALL)   \
+        CASE_Q(5, CALL)   \
+        CASE_Q(6, CALL)   \
+        CASE_Q(7, CALL)   \
+        CASE_Q(8, CALL)   \
+        default: break;   \
+    }
+
+extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
+    const u16* xf, const float* xs, const long long* page_table, const float* topk_weights, const int* sorted_ids,
+    const int* expert_ids, const int* post_pad, u16* xf_out, float* xs_out, float* acc_out, void* out,
+    int* counters, const void* bias, int num_pairs, int topk, int n_out, int n_table, int K, int m_rows,
+    int k_per_split, int row_index, int apply_w_in, int num_experts, int pt_stride, int g_out, int xunit_per_pair,
+    int has_bias) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int wr = warp % WR, wk = warp / WR;
+    const int rt = blockIdx.y * WR + wr;  // row tile of this warp
+    const int chunks = K / CHUNK;
+
+    // the expert of this block (-1: nothing to do)
+    int expert = -1;
+#if MODE == 2
+    expert = row_index;
+#elif DIRECT
+    if ((int)blockIdx.x < num_pairs) {
+        expert = expert_ids[blockIdx.x];
+        if (expert >= num_experts) expert = -1;  // -1: a non-local expert under expert parallelism
+    }
+#else
+    if ((int)blockIdx.x * SLOTS < post_pad[0]) expert = expert_ids[blockIdx.x];
+#endif
+    // rows: MODE 0: gate n = 8 rt + g and up I + n; MODE 1/2: 16 rt + g and 16 rt + g + 8 (clamped to valid rows)
+#if MODE == 0
+    const int na = 8 * rt + g, nb = na;
+    const bool tile_ok = 8 * rt < n_out;
+    const int ra = min(na, n_out - 1), rb = n_out + ra;
+#else
+    const int na = 16 * rt + g, nb = na + 8;
+    const bool tile_ok = 16 * rt < n_out;
+    const int ra = min(na, n_out - 1), rb = min(nb, n_out - 1);
+#endif
+    // K range: the block's slice (MODE 1/2: blockIdx.z), then WK parts of whole groups
+    const int kc = k_per_split / CHUNK;
+    const int blk_begin = MODE == 0 ? 0 : min(chunks, (int)blockIdx.z * kc);
+    const int blk_end = MODE == 0 ? chunks : min(chunks, blk_begin + kc);
+    const int per = ((blk_end - blk_begin + GC * WK - 1) / (GC * WK)) * GC;
+    const int c_begin = min(blk_end, blk_begin + wk * per), c_end = min(blk_end, c_begin + per);
+    const bool active = expert >= 0 && tile_ok && c_begin < c_end;
+
+    // input unit of the activations
+#if DIRECT
+    const int unit = MODE == 0 ? (xunit_per_pair ? (int)blockIdx.x : (int)blockIdx.x / topk) : (int)blockIdx.x;
+#else
+    const int unit = blockIdx.x;
+#endif
+    float y[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) y[nt][0] = y[nt][1] = y[nt][2] = y[nt][3] = 0.f;
+
+    if (active) {
+        const long long* prow = page_table + (long long)expert * pt_stride;
+        const int q = (int)prow[0];
+        const u16* xfu = xf + (long long)unit * chunks * UNIT_CHUNK_ELEMS;
+        const float* xsu = xs + (long long)unit * (K / G) * SLOTS;
+        unsigned char* ring = smem + warp * RING;
+#ifdef ONLY_Q  // one bitwidth only (instruction counts of one body; tests and benchmarks never set it)
+#define CASE_Q(Q, CALL) \
+    case Q:             \
+        if (Q == ONLY_Q) CALL(Q); break;
+#else
+#define CASE_Q(Q, CALL) \
+    case Q:             \
+        if (Q <= PMAX) CALL(Q); break;
+#endif
+#define CALL_ROWS(Q) warp_rows<(Q <= PMAX ? Q : 1)>(prow, xfu, xsu, n_table, K, ring, ra, rb, c_begin, c_end, y)
+        Q_SWITCH(q, CALL_ROWS)
+#undef CALL_ROWS
+#undef CASE_Q
+    }
+
+#if MODE == 0
+    // sum the WK parts of each row tile (the rings are free once every warp is past this barrier)
+    if (WK > 1) {
+        __syncthreads();
+        float* red = (float*)smem;
+        if (wk > 0) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) red[(((wk - 1) * WR + wr) * 32 + lane) * NT * 4 + nt * 4 + c] = y[nt][c];
+        }
+        __syncthreads();
+        if (wk == 0) {
+#pragma unroll
+            for (int p = 1; p < WK; ++p)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) y[nt][c] += red[(((p - 1) * WR + wr) * 32 + lane) * NT * 4 + nt * 4 + c];
+        }
+    }
+    if (wk != 0 || expert < 0 || !tile_ok) return;
+    // act = silu(gate) * up for (n, slots 2t, 2t+1), rounded, into w2's activations and their group sums
+    const int ounit = blockIdx.x;
+    const int n_chunks_out = n_out / CHUNK;
+    u16* xo = xf_out + (long long)ounit * n_chunks_out * UNIT_CHUNK_ELEMS;
+    float* so = xs_out + ((long long)ounit * (n_out / g_out) + (8 * rt) / g_out) * SLOTS;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        float part[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int slot = nt * 8 + 2 * t + h;
+            const int p = pair_of(slot, num_pairs, sorted_ids);
+            const float gte = y[nt][h], up = y[nt][2 + h];
+            const float act = gte / (1.f + __expf(-gte)) * up;
+            const u16 hv = f2ct(act);
+            part[h] = 0.f;
+            if (p >= 0 && na < n_out) {
+                xo[act_offset(na, slot)] = hv;
+                part[h] = ct2f(hv);
+            }
+        }
+#pragma unroll
+        for (int d = 4; d < 32; d <<= 1) {
+            part[0] += __shfl_xor_sync(0xffffffffu, part[0], d);
+            part[1] += __shfl_xor_sync(0xffffffffu, part[1], d);
+        }
+        if (g == 0) {
+            const int s0 = nt * 8 + 2 * t;
+            if (s0 < SLOTS) atomicAdd(so + s0, part[0]);
+            if (s0 + 1 < SLOTS) atomicAdd(so + s0 + 1, part[1]);
+        }
+    }
+    (void)nb;
+#else
+    // float32 atomics into [M, N], then the last block of this row block converts it
+    if (active) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int n = c < 2 ? na : nb;
+                const int slot = nt * 8 + 2 * t + (c & 1);
+                const int p = pair_of(slot, num_pairs, sorted_ids);
+                if (n >= n_out || p < 0) continue;
+#if MODE == 1
+                const float v = apply_w_in ? y[nt][c] : y[nt][c] * topk_weights[p];
+                atomicAdd(acc_out + (long long)(p / topk) * n_out + n, v);
+#else
+                if (p < m_rows) atomicAdd(acc_out + (long long)p * n_out + n, y[nt][c]);
+#endif
+            }
+        __threadfence();
+    }
+    __shared__ int last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int prev = atomicAdd(counters + blockIdx.y, 1);
+        last = prev == (int)(gridDim.x * gridDim.z) - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int r0 = blockIdx.y * WR * 16;
+    const int nrows = min(WR * 16, n_out - r0);
+    if (nrows <= 0) return;
+    for (int idx = threadIdx.x; idx < m_rows * nrows; idx += NWARPS * 32) {
+        const int m = idx / nrows, n = r0 + idx % nrows;
+        float v = __ldcg(acc_out + (long long)m * n_out + n);
+#if OT == 0
+        if (has_bias) v += __uint_as_float(((u32)((const u16*)bias)[n]) << 16);
+        u16 hv;
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(hv) : "f"(v));
+        ((u16*)out)[(long long)m * n_out + n] = hv;
+#elif OT == 1
+        if (has_bias) v += h2f(((const u16*)bias)[n]);
+        u16 hv;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(hv) : "f"(v));
+        ((u16*)out)[(long long)m * n_out + n] = hv;
+#else
+        if (has_bias) v += ((const float*)bias)[n];
+        ((float*)out)[(long long)m * n_out + n] = v;
+#endif
+    }
+    (void)xf_out; (void)xs_out; (void)g_out; (void)xunit_per_pair; (void)has_bias;
+#endif
+}
+
+// ---------------------------------------------------------------- activations -> the fragment order
+// Block (unit, group): every slot's G inputs of this group rounded to the compute type, stored where
+// ap_fold_gemv's lanes load them, and their sum (of the rounded values). src_mode: 0 unit = token,
+// 1 unit = pair (x[pair / topk] * w[pair]), 2 unit = m-block of pairs (sorted_ids), 3 the same times w[pair],
+// 4 unit = block of rows of a dense linear. Also zeroes `zero[0 .. zero_len)` (the accumulators of the calls
+// that follow) with the whole grid.
+
+__device__ __forceinline__ float load_x(const void* x, long long r, long long ld, int k) {
+#if XT == 0
+    return __uint_as_float(((u32)((const u16*)x)[r * ld + k]) << 16);
+#elif XT == 1
+    return h2f(((const u16*)x)[r * ld + k]);
+#else
+    return ((const float*)x)[r * ld + k];
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(256) ap_fold_prep(
+    const void* x, int ld, const float* topk_weights, const int* sorted_ids, const int* post_pad, int has_post_pad,
+    u16* xf, float* xs, int num_pairs, int topk, int K, int m_rows, int src_mode, float* zero, int zero_len) {
+    const long long nthreads = (long long)gridDim.x * gridDim.y * 256;
+    for (long long i = ((long long)blockIdx.y * gridDim.x + blockIdx.x) * 256 + threadIdx.x; i < zero_len; i += nthreads)
+        zero[i] = 0.f;
+    const int unit = blockIdx.x, grp = blockIdx.y;
+    if (has_post_pad && unit * SLOTS >= post_pad[0]) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    u16* xu = xf + (long long)unit * (K / CHUNK) * UNIT_CHUNK_ELEMS;
+    for (int slot = warp; slot < SLOTS; slot += 8) {
+        long long row = -1;
+        float wgt = 1.f;
+        if (src_mode == 0) {
+            row = unit;
+        } else if (src_mode == 1) {
+            row = unit / topk;
+            wgt = topk_weights[unit];
+        } else if (src_mode == 2 || src_mode == 3) {
+            const int p = sorted_ids[unit * SLOTS + slot];
+            if (p < num_pairs) {
+                row = p / topk;
+                if (src_mode == 3) wgt = topk_weights[p];
+            }
+        } else {
+            const int r = unit * SLOTS + slot;
+            if (r < m_rows) row = r;
+        }
+        float sum = 0.f;
+        for (int kk = lane; kk < G; kk += 32) {
+            const int k = grp * G + kk;
+            const u16 hv = f2ct(row >= 0 ? load_x(x, row, ld, k) * wgt : 0.f);
+            xu[act_offset(k, slot)] = hv;
+            sum += ct2f(hv);
+        }
+#pragma unroll
+        for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
+        if (lane == 0) xs[((long long)unit * (K / G) + grp) * SLOTS + slot] = sum;
+    }
+}

@@ -1,0 +1,283 @@
+"""The CUDA fold kernel (cuda_fold.py): ubcq planes on tensor cores with scale and offset applied per group.
+
+CPU (CI): every variant compiles with NVRTC for sm_90; an exact emulation of what each lane hands mma.sync
+(bit transposition, code pairs, the activation order of the prep kernel) and of the fold algebra (the
+BIAS * S term and the group's scale and offset) for every bitwidth; the config rules and the refusals.
+CUDA: against the torch reference on random and adversarial shapes (N not a multiple of the block, K with a
+partial ring stage, group 256, every bitwidth mixed in one launch, padding slots, one expert taking every
+token, empty experts, three activation dtypes, router weight on the input, expert id -1, every block layout
+and K split) and page-table rows rewritten between CUDA-graph replays.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedweight.kernels import ap_fused_moe, ap_linear
+from pagedweight.kernels.config import prefer_fold
+from pagedweight.kernels.cuda_fold import (
+    CHUNK,
+    FoldConfig,
+    ap_fused_moe_fold,
+    ap_linear_fold,
+    compile_to_cubin,
+    default_fold_configs,
+    fold_moe_unsupported,
+    fold_unsupported,
+    gemv_defines,
+    prep_defines,
+)
+from pagedweight.kernels.reference import ap_fused_moe_reference, ap_linear_reference
+from pagedweight.kernels.testing import random_ap_projection
+from tests.support.cuda_kernel_cases import check_graph_replay, rel_err, routing, tol
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the fold kernel is CUDA only")
+
+
+# ---------------------------------------------------------------- CPU: build, fragment order, algebra, configs
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_every_variant_compiles_for_sm90(mode):
+    for cfg in (FoldConfig(1), FoldConfig(2), FoldConfig(1, wk=2), FoldConfig(2, wk=4)):
+        for bits_max, group, compute in ((8, 128, 0), (4, 256, 1)):
+            cubin = compile_to_cubin(gemv_defines(mode, cfg, bits_max, group, compute, out=compute), "90")
+            assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
+    if mode != 2:
+        for wk in (1, 4):
+            cfg = FoldConfig(1, direct=True, wk=wk)
+            assert compile_to_cubin(gemv_defines(mode, cfg, 8, 128, 0, 2), "90")[:4] == b"\x7fELF"
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for cfg in (FoldConfig(1), FoldConfig(2), FoldConfig(1, direct=True)):
+            assert compile_to_cubin(prep_defines(cfg, 128, 0, dtype), "90", name="ap_fold_prep")[:4] == b"\x7fELF"
+
+
+def test_direct_layout_is_refused_where_it_does_not_apply():
+    with pytest.raises(RuntimeError, match="DIRECT needs NT 1"):
+        compile_to_cubin(gemv_defines(2, FoldConfig(1), 8, 128, 0) + ["-DDIRECT=1"], "90")
+    with pytest.raises(ValueError, match="direct"):
+        FoldConfig(n_tiles=2, direct=True)
+    with pytest.raises(ValueError, match="wk"):
+        FoldConfig(wk=3)
+    with pytest.raises(ValueError, match="k_per_split"):
+        FoldConfig(k_per_split=100)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _sel(a: int, b: int, m: int) -> int:  # lop3 0xE4: (a & m) | (b & ~m)
+    return ((a & m) | (b & ~m)) & _M32
+
+
+def _codes_of(planes: list[int], np_: int) -> list[int]:
+    """cuda_fold_gemv.cu codes_of<NP>: reversed planes through the two delta-swap stages."""
+    w = [planes[3 - r] if 3 - r < np_ else 0 for r in range(4)]
+    for r in range(2):
+        a, b = w[r], w[r + 2]
+        w[r], w[r + 2] = _sel(a, (b << 2) & _M32, 0x33333333), _sel(b, a >> 2, 0xCCCCCCCC)
+    for r in (0, 2):
+        a, b = w[r], w[r + 1]
+        w[r], w[r + 1] = _sel(a, (b << 1) & _M32, 0x55555555), _sel(b, a >> 1, 0xAAAAAAAA)
+    return w
+
+
+def _act_offset(k: int, s: int, nt_count: int) -> int:
+    """cuda_fold_gemv.cu act_offset (16-bit element of input k, slot s, inside one unit)."""
+    c, t, kk = k >> 7, (k >> 5) & 3, k & 31
+    j, nib = kk & 3, kk >> 2
+    e, h = nib & 3, nib >> 2
+    nt, lane = s >> 3, ((s & 7) << 2) | t
+    return ((c * nt_count + nt) * 4 + j) * 256 + lane * 8 + 2 * e + h
+
+
+@pytest.mark.parametrize("q", range(1, 9))
+def test_lanes_feed_mma_the_folded_dot_product(q):
+    """One chunk, 16 rows, 8 slots, emulated lane by lane: the code pairs each lane builds (A), the values the
+    prep order puts in its 16-byte loads (B), mma.sync's slot semantics, then the fold epilogue; equal to the
+    plain dot product with W = 2 s c + z (float64)."""
+    g = torch.Generator().manual_seed(q)
+    bias = 128.0
+    codes = torch.randint(0, 2**q, (16, CHUNK), generator=g)
+    s = torch.rand(16, generator=g, dtype=torch.float64) + 0.5
+    o = torch.randn(16, generator=g, dtype=torch.float64)
+    x = torch.randn(8, CHUNK, generator=g, dtype=torch.float64)
+    # the prep kernel's order: element offsets of every (k, slot) are distinct and fill the unit's chunk
+    offs = sorted(_act_offset(k, sl, 1) for k in range(CHUNK) for sl in range(8))
+    assert offs == list(range(CHUNK * 8))
+    xf = [0.0] * (CHUNK * 8)
+    for k in range(CHUNK):
+        for sl in range(8):
+            xf[_act_offset(k, sl, 1)] = float(x[sl, k])
+    hi_np, lo_np = min(q, 4), max(q - 4, 0)
+    acc_hi = torch.zeros(16, 8, dtype=torch.float64)
+    acc_lo = torch.zeros(16, 8, dtype=torch.float64)
+    for t in range(4):  # lane t of every quad: inputs 32 t .. 32 t + 31 of the chunk
+        words = [[sum(((int(codes[r, 32 * t + b]) >> (q - 1 - p)) & 1) << b for b in range(32)) for p in range(q)]
+                 for r in range(16)]
+        for part, acc, np_ in (("hi", acc_hi, hi_np), ("lo", acc_lo, lo_np)):
+            if np_ == 0:
+                continue
+            c4 = [_codes_of(words[r][:4] if part == "hi" else words[r][4:], np_) for r in range(16)]
+            for j in range(4):
+                for e0 in (0, 2):
+                    a = torch.zeros(16, 16, dtype=torch.float64)
+                    b = torch.zeros(16, 8, dtype=torch.float64)
+                    for r in range(16):
+                        for slot, e in ((2 * t, e0), (2 * t + 8, e0 + 1)):
+                            pair = (c4[r][j] >> (4 * e)) & 0x000F000F
+                            a[r, slot], a[r, slot + 1] = bias + (pair & 0xF), bias + (pair >> 16)
+                    for col in range(8):
+                        base = j * 256 + (col * 4 + t) * 8
+                        b[2 * t, col], b[2 * t + 1, col] = xf[base + 2 * e0], xf[base + 2 * e0 + 1]
+                        b[2 * t + 8, col], b[2 * t + 9, col] = xf[base + 2 * e0 + 2], xf[base + 2 * e0 + 3]
+                    acc += a @ b
+    S = x.sum(dim=1)  # group sums per slot
+    z = o - s * (2**q - 1)
+    if q <= 4:
+        ca = 2 * s * 2.0 ** (q - 4)
+        y = ca[:, None] * acc_hi + (z - bias * ca)[:, None] * S[None, :]
+    else:
+        ca = 2 * s * 2.0 ** (q - 8)
+        y = ca[:, None] * (16 * acc_hi + acc_lo) + (z - 17 * bias * ca)[:, None] * S[None, :]
+    w = 2 * s[:, None] * codes.double() + z[:, None]
+    torch.testing.assert_close(y, w @ x.t(), rtol=1e-12, atol=1e-9)
+
+
+def test_dispatch_rule():
+    """One token always; more tokens while the intermediate size gives w2 enough K (measured, config.py)."""
+    assert prefer_fold(1, 8, 128, 384) and prefer_fold(1, 2, 8, 14336)
+    assert prefer_fold(4, 2, 8, 14336) and prefer_fold(64, 2, 8, 14336) and prefer_fold(64, 4, 60, 1408)
+    assert not prefer_fold(4, 8, 128, 768) and not prefer_fold(64, 8, 128, 768)
+    assert not prefer_fold(256, 2, 8, 14336)  # 64 pairs per expert: the tiles / prefill path
+
+
+def test_configs_and_refusals():
+    w13 = random_ap_projection(8, 2 * 1408, 2048, [4] * 8, table_kind="ubcq", bits_min=4).weights
+    w2 = random_ap_projection(8, 2048, 1408, [4] * 8, table_kind="ubcq", bits_min=4).weights
+    one, one2 = default_fold_configs(1, 4, w13, w2, num_sms=132)
+    assert one.direct and one2.direct and one.wk == 2  # the block's warps split K
+    assert default_fold_configs(1, 4, w13, w2, num_sms=264)[0].wk == 4  # fewer blocks than the target
+    assert one2.k_per_split % w2.group_size == 0 and one2.k_per_split < w2.K
+    big, big2 = default_fold_configs(64, 2, w13, w2, num_sms=132)  # 16 pairs per expert: two n-tiles
+    assert not big.direct and big.n_tiles == big2.n_tiles == 2
+    assert "CUDA" in fold_unsupported(w13)
+    bcq = random_ap_projection(1, 64, 256, [4], table_kind="bcq", bits_min=4).weights
+    g32 = random_ap_projection(1, 64, 256, [4], table_kind="ubcq", group_size=32, bits_min=4).weights
+    assert "ubcq" in fold_unsupported(bcq) and "multiple of 128" in fold_unsupported(g32)
+    odd2 = random_ap_projection(1, 2048, 704, [4], table_kind="ubcq", group_size=64, bits_min=4).weights
+    assert "group size 64" in fold_unsupported(odd2) and fold_moe_unsupported(w13, odd2) is not None
+    x = torch.randn(3, 2048)
+    with pytest.raises(ValueError, match="not on a CUDA device"):
+        ap_linear(x, w13, kernel="fold")
+
+
+# ---------------------------------------------------------------- CUDA: correctness
+
+
+@needs_cuda
+@pytest.mark.parametrize("n,k,group", [(256, 128, 128), (300, 640, 128), (1000, 1408, 128), (2048, 2048, 256)])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_linear_matches_reference(n, k, group, bits):
+    proj = random_ap_projection(1, n, k, [bits], table_kind="ubcq", group_size=group, bits_min=1, seed=bits,
+                                device="cuda")
+    for m in (1, 5, 8, 9, 33):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).to(dtype)
+            bias = torch.randn(n, device="cuda").to(dtype) if m == 5 else None
+            out = ap_linear(x, proj.weights, bias=bias, kernel="fold")
+            ref = ap_linear_reference(x.float(), proj.weights, bias=None if bias is None else bias.to(dtype).float())
+            assert out.dtype == dtype and out.shape == (m, n)
+            assert rel_err(out, ref) < tol(dtype), (m, dtype)
+
+
+@needs_cuda
+def test_linear_explicit_configs_and_large_activations():
+    """K cut into one-group slices (many atomics), two n-tiles for three rows (padding slots), and activations
+    far beyond fp16's range (bf16 keeps them)."""
+    proj = random_ap_projection(1, 520, 1280, [5], table_kind="ubcq", bits_min=2, device="cuda")
+    x = torch.randn(3, 1280, device="cuda", dtype=torch.bfloat16)
+    ref = ap_linear_reference(x.float(), proj.weights)
+    for cfg in (FoldConfig(1, k_per_split=128), FoldConfig(2, k_per_split=384), FoldConfig(2), FoldConfig(1, wk=4)):
+        assert rel_err(ap_linear_fold(x, proj.weights, 0, None, cfg), ref) < 2e-2, cfg
+    big = (torch.randn(3, 1280, device="cuda") * torch.tensor([[1.0], [1e6], [3e4]], device="cuda")).to(torch.bfloat16)
+    out = ap_linear_fold(big, proj.weights, 0, None)
+    assert rel_err(out, ap_linear_reference(big.float(), proj.weights)) < 2e-2
+
+
+def _layer(num_experts, hidden, inter, bits13, bits2, seed=0, group=128):
+    p13 = random_ap_projection(num_experts, 2 * inter, hidden, bits13, table_kind="ubcq", group_size=group,
+                               bits_min=1, seed=seed, device="cuda")
+    p2 = random_ap_projection(num_experts, hidden, inter, bits2, table_kind="ubcq", group_size=group, bits_min=1,
+                              seed=seed + 1, device="cuda")
+    return p13, p2
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "num_experts,topk,m,pattern",
+    [(8, 2, 1, "random"), (8, 2, 4, "random"), (8, 1, 3, "one_expert"), (60, 4, 1, "random"),
+     (60, 4, 16, "random"), (16, 8, 5, "one_expert"), (8, 2, 40, "random"), (4, 2, 70, "one_expert")],
+)
+def test_moe_matches_reference(num_experts, topk, m, pattern):
+    hidden, inter = 640, 384  # w13: K = 640 (a partial ring stage); w2: K = 384 (three chunks)
+    bits13 = [1 + (e % 8) for e in range(num_experts)]  # every bitwidth 1..8, mixed in one launch
+    bits2 = [1 + ((e + 3) % 8) for e in range(num_experts)]
+    p13, p2 = _layer(num_experts, hidden, inter, bits13, bits2, seed=num_experts + m)
+    tw, ids = routing(m, num_experts, topk, pattern, seed=m)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randn(m, hidden, device="cuda").to(dtype)
+        for apply_w_in in (False, True):
+            ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights,
+                                         apply_router_weight_on_input=apply_w_in)
+            out = ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel="fold",
+                               apply_router_weight_on_input=apply_w_in)
+            assert out.dtype == dtype and out.shape == (m, hidden)
+            assert rel_err(out, ref) < tol(dtype), (dtype, apply_w_in)
+    # every block layout, the K split of w13's warps, w2's K slices of one group
+    x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+    ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
+    layouts = [(FoldConfig(nt, wk=wk), FoldConfig(nt, k_per_split=kps)) for nt in (1, 2) for wk, kps in
+               ((1, 0), (2, 128), (4, 256))]
+    layouts.append((FoldConfig(1, direct=True, wk=4), FoldConfig(1, direct=True, k_per_split=128)))
+    for cfgs in layouts:
+        out = ap_fused_moe_fold(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
+        assert rel_err(out, ref) < 2e-2, cfgs
+
+
+@needs_cuda
+@pytest.mark.parametrize("group", [128, 256])
+def test_moe_group_sizes_and_real_intermediate(group):
+    """Qwen1.5-MoE's intermediate size (1408: 11 groups of 128, 5.5 of 256 -> 1408 is refused at 256)."""
+    inter = 1408 if group == 128 else 1536
+    p13, p2 = _layer(8, 1024, inter, [4, 3, 5, 2, 8, 6, 7, 1], [2, 4, 6, 8, 1, 3, 5, 7], group=group)
+    for m in (1, 12):
+        tw, ids = routing(m, 8, 2, "random", seed=group + m)
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
+        assert rel_err(ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel="fold"), ref) < 2e-2
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 3])
+def test_moe_skips_non_local_experts(m):
+    num_experts, hidden, inter, topk = 8, 256, 256, 2
+    p13, p2 = _layer(num_experts, hidden, inter, [4] * num_experts, [5] * num_experts, seed=m)
+    tw, ids = routing(m, num_experts, topk, "random", seed=m)
+    ids[0, 1] = -1
+    x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+    ref = ap_fused_moe_reference(x.float(), torch.where(ids < 0, 0.0, tw), ids.clamp(min=0), p13.weights, p2.weights)
+    for cfgs in ((FoldConfig(1, direct=True),) * 2, (FoldConfig(1),) * 2):
+        out = ap_fused_moe_fold(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
+        assert rel_err(out, ref) < 2e-2, cfgs
+
+
+@needs_cuda
+def test_moe_graph_replay_follows_rewritten_page_table():
+    num_experts = 8
+    p13, p2 = _layer(num_experts, 256, 256, [8] * num_experts, [8] * num_experts)
+    check_graph_replay(p13, p2, m=12, topk=2, kernel="fold",
+                       bit_mixes=([8] * num_experts, [3] * num_experts, [2, 5, 8, 3, 4, 6, 7, 1]))
+    check_graph_replay(p13, p2, m=1, topk=2, kernel="fold", bit_mixes=([4] * num_experts, [1, 2, 3, 4, 5, 6, 7, 8]))
