@@ -11,6 +11,9 @@
 #                                           # and the prefill dequantization alone (no devicekit)
 #   bash benchmark/gpu_session.sh mma       # CUDA tensor-core kernel (ubcq): GPU tests, then MoE timings beside the LUT
 #                                           # kernel and the tiles (MMA_PARTS="tests sweep bench", KB_MS, KB_CASES; no devicekit)
+#   bash benchmark/gpu_session.sh decode    # fold kernel GPU tests, then SGLang's bf16 / FP8 block128 / Marlin W4A16 /
+#                                           # W8A16 MoE (sglang_moe_anchors.py, copied into .carry/bench and carried) and
+#                                           # benchmark/decode_bench.py beside them, M 1..64 (issue #18's headline keys)
 #   bash benchmark/gpu_session.sh lutk      # CUDA LUT kernel: GPU tests + linear and MoE decode timings (no devicekit)
 #   bash benchmark/gpu_session.sh linear    # dense AP linear tests + benchmark/linear_bench.py (no devicekit needed)
 #   bash benchmark/gpu_session.sh serve     # server smoke test + bench_one_batch stock bf16 vs AP 4-bit experts vs
@@ -48,6 +51,16 @@ if [ "$stage" = kernels ]; then
     --kinds "${KB_KINDS:-ubcq,bcq,kmeans}" --cases "${KB_CASES:-u3,u4,u6,u8,mix4}" --out "$OUT/kernel.json" \
     --time-budget-s "${KB_BUDGET:-270}" 2>&1 | tail -40 \
     | tee "$OUT/kernel_bench.txt"
+fi
+
+if [ "$stage" = decode ]; then
+  # ANCHORS (default .carry/bench/sglang_moe_anchors.py: cp ../shared/bench/*.py .carry/bench/ and carry .carry)
+  timeout "${FOLD_TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_kernel_fold.py 2>&1 | tail -15 \
+    | tee "$OUT/gpu_tests_fold.txt"
+  timeout 330 python3 "${ANCHORS:-.carry/bench/sglang_moe_anchors.py}" --out "$OUT/anchors.json" --ms "${KB_MS:-1,4,16,64}" \
+    --reps 40 2>&1 | tail -100
+  timeout 420 python3 benchmark/decode_bench.py --anchors-json "$OUT/anchors.json" --out "$OUT/decode.json" \
+    --ms "${KB_MS:-1,4,16,64}" --reps 30 --time-budget-s 360 2>&1 | tail -120
 fi
 
 if [ "$stage" = mma ]; then

@@ -34,7 +34,8 @@ import torch
 
 from pagedweight.format.layout import DEFAULT_TABLE_KIND
 from pagedweight.kernels import APKernelConfig, ap_fused_moe
-from pagedweight.kernels.config import default_moe_configs, prefer_lut, prefer_mma
+from pagedweight.kernels.config import default_moe_configs, prefer_fold, prefer_lut, prefer_mma
+from pagedweight.kernels.cuda_fold import fold_moe_unsupported
 from pagedweight.kernels.sglang_dense_moe import sglang_moe_configs
 from pagedweight.kernels.reference import ap_fused_moe_reference
 from pagedweight.kernels.testing import random_ap_projection
@@ -42,7 +43,10 @@ from pagedweight.kernels.testing import random_ap_projection
 MODELS = {
     "qwen15moe": dict(name="Qwen1.5-MoE-A2.7B", E=60, topk=4, H=2048, I=1408, renormalize=False),
     "mixtral": dict(name="Mixtral-8x7B", E=8, topk=2, H=4096, I=14336, renormalize=True),
+    "qwen3moe": dict(name="Qwen3-30B-A3B", E=128, topk=8, H=2048, I=768, renormalize=True),
 }
+for _k in ("qwen15moe", "mixtral", "qwen3moe"):  # the per-rank expert shards at --tp 2 (intermediate halved)
+    MODELS[_k + "_tp2"] = dict(MODELS[_k], name=MODELS[_k]["name"] + " (TP-2 shard)", I=MODELS[_k]["I"] // 2)
 DEFAULT_MS = [1, 4, 16, 64, 256, 2048]
 GROUP = 128
 MIX_PATTERN = [2, 3, 4, 5, 6, 4, 3, 5]  # mean 4; used cyclically over experts (8 and 60 experts: mean 4 exactly)
@@ -124,14 +128,14 @@ def measure_copy_tbps(dev) -> float:
     return 2 * 2 * 2**30 / t / 1e12
 
 
-def ap_bytes(w13_bits, w2_bits, hit, model, kind) -> int:
+def ap_bytes(w13_bits, w2_bits, hit, model, kind, group: int = GROUP) -> int:
     H, I = model["H"], model["I"]
     total = 0
     for e in hit:
         for q, n, k in ((w13_bits[e], 2 * I, H), (w2_bits[e], H, I)):
             planes = q * n * k // 8
             rows = {"bcq": q + 1, "ubcq": 2}.get(kind)  # grouped tables: rows of [N, K / G]; kmeans: [N, 2^q]
-            table = rows * n * (k // GROUP) * 2 if rows else n * 2**q * 2
+            table = rows * n * (k // group) * 2 if rows else n * 2**q * 2
             total += planes + table
     return total
 
@@ -322,13 +326,17 @@ def main() -> None:
                              weight_bytes=ap_bytes(b13, b2, hit, model, kind), cfg13=vars(c13), cfg2=vars(c2))
                     # "default" is what ap_fused_moe picks by itself (the headline); the others are the same
                     # call on the other kernels, same run
-                    mma_default = kind == "ubcq" and prefer_mma(M, topk, E)
-                    lut_default = kind != "kmeans" and not mma_default and prefer_lut(M, topk, E)
-                    r["default_kernel"] = ("mma" if mma_default else "lut" if lut_default
+                    fold_ok = kind == "ubcq" and fold_moe_unsupported(w13, w2) is None
+                    fold_default = fold_ok and prefer_fold(M, topk, E, I)
+                    mma_default = kind == "ubcq" and not fold_default and prefer_mma(M, topk, E)
+                    lut_default = kind != "kmeans" and not fold_default and not mma_default and prefer_lut(M, topk, E)
+                    r["default_kernel"] = ("fold" if fold_default else "mma" if mma_default else "lut" if lut_default
                                            else "dequant" if c13.dequant_chunk else "tiles")
                     variants = [("default", dict(), c13, c2)]
-                    if lut_default or mma_default:
+                    if lut_default or mma_default or fold_default:
                         variants.append(("tiles", dict(configs=(c13, c2)), c13, c2))
+                    if fold_ok and not fold_default and c13.dequant_chunk == 0:
+                        variants.append(("fold", dict(kernel="fold"), c13, c2))
                     if kind != "kmeans" and c13.dequant_chunk == 0 and not lut_default:
                         variants.append(("lut", dict(kernel="lut"), c13, c2))
                     if kind == "ubcq" and not mma_default:
@@ -362,7 +370,7 @@ def main() -> None:
                             variants.append((name, dict(configs=(v13, c2)), v13, c2))
                     for vname, kw, v13, v2 in variants:
                         rv = dict(r, variant=vname, cfg13=vars(v13), cfg2=vars(v2))
-                        if vname in ("lut", "mma") or (vname == "default" and r["default_kernel"] in ("lut", "mma")):
+                        if vname in ("lut", "mma", "fold") or (vname == "default" and r["default_kernel"] in ("lut", "mma", "fold")):
                             del rv["cfg13"], rv["cfg2"]  # the tile configs do not apply to the LUT kernel
                         try:
                             if v13.dequant_chunk > 0 and v13.dense_gemm == "sglang":

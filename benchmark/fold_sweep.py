@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Launch-config sweep of the CUDA fold MoE kernel (cuda_fold.py) at decode sizes, H200.
+
+    python3 benchmark/fold_sweep.py --out OUT.json [--models mixtral,qwen15moe] [--ms 1,16] [--bits 4]
+
+Per model (kernel_bench.MODELS) and M: the kernels' own times in the default call (torch.profiler over CUDA
+graph replays: prep, w13, w2, alignment), then the whole call (kernel_bench timing) for the default
+FoldConfig pair and for variants of ring size, stage width, register budget, w13's warp K split and w2's K
+slices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+
+import torch
+
+from pagedweight.kernels.cuda_fold import ap_fused_moe_fold, default_fold_configs
+from pagedweight.kernels.testing import random_ap_projection
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_bench import MODELS, graph_time, make_routing  # noqa: E402
+
+
+def both(c13, c2, **kw):
+    return replace(c13, **kw), replace(c2, **kw)
+
+
+def candidates(c13, c2, w2, names=None):
+    if names:  # registers / occupancy variants only
+        table = {
+            "ss1": both(c13, c2, scale_stages=1),
+            "ss1_bpf0": both(c13, c2, scale_stages=1, act_prefetch=False),
+            "mb5_ss1_bpf0": both(c13, c2, scale_stages=1, act_prefetch=False, min_blocks=5),
+            "mb5_ss1_bpf0_wk1": (replace(c13, scale_stages=1, act_prefetch=False, min_blocks=5, wk=1),
+                                 replace(c2, scale_stages=1, act_prefetch=False, min_blocks=5)),
+        }
+        if not c13.direct:
+            table["nt1"] = both(c13, c2, n_tiles=1)
+            table["nt2"] = both(c13, c2, n_tiles=2)
+        yield "default", (c13, c2)
+        for n in names:
+            if n in table and not (n.startswith("nt") and table[n][0] == c13):
+                yield n, table[n]
+        return
+    yield "default", (c13, c2)
+    yield "min_blocks=4", (replace(c13, min_blocks=4), replace(c2, min_blocks=4))
+    for kb in (8, 12, 24):
+        yield f"ring_kb={kb}", (replace(c13, ring_kb=kb), replace(c2, ring_kb=kb))
+        yield f"ring_kb={kb} min_blocks=4", (replace(c13, ring_kb=kb, min_blocks=4), replace(c2, ring_kb=kb, min_blocks=4))
+    for sd in (1, 2):
+        yield f"scale_stages={sd}", (replace(c13, scale_stages=sd), replace(c2, scale_stages=sd))
+    yield "stage_chunks=8 ring_kb=16", (replace(c13, stage_chunks=8), replace(c2, stage_chunks=8))
+    for wk in (1, 2, 4):
+        if wk != c13.wk:
+            yield f"w13 wk={wk}", (replace(c13, wk=wk), c2)
+    kps = c2.k_per_split or w2.K
+    for f in (2, 0.5):
+        k = max(w2.group_size, int(kps / f) // w2.group_size * w2.group_size)
+        if k != kps and k <= w2.K:
+            yield f"w2 k_per_split={k}", (c13, replace(c2, k_per_split=k))
+
+
+def kernel_times(call) -> dict:
+    g = torch.cuda.CUDAGraph()
+    call()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        call()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            g.replay()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0)
+        if us and e.count:
+            out[e.key[:60]] = round(us, 2)  # average per call, us
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--models", default="mixtral,qwen15moe")
+    ap.add_argument("--ms", default="1,16")
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--candidates", default="", help="comma list of named variants (ss1, ss1_bpf0, mb5_ss1_bpf0, ...)")
+    ap.add_argument("--no-profile", action="store_true")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=dev)
+    rows = []
+    for mk in args.models.split(","):
+        md = MODELS[mk]
+        E, topk, H, I = md["E"], md["topk"], md["H"], md["I"]
+        p13 = random_ap_projection(E, 2 * I, H, [args.bits] * E, table_kind="ubcq", bits_min=2, seed=1, device=dev)
+        p2 = random_ap_projection(E, H, I, [args.bits] * E, table_kind="ubcq", bits_min=2, seed=2, device=dev)
+        w13, w2 = p13.weights, p2.weights
+        for M in [int(v) for v in args.ms.split(",")]:
+            x = torch.randn((M, H), device=dev, dtype=torch.bfloat16)
+            tw, ids = make_routing(M, E, topk, md["renormalize"], M, dev)
+            c13, c2 = default_fold_configs(M, topk, w13, w2, sms)
+            if not args.no_profile:
+                kt = kernel_times(lambda: ap_fused_moe_fold(x, tw, ids, w13, w2, configs=(c13, c2)))
+                rows.append(dict(model=mk, M=M, cand="kernels", kernel_us=kt, cfg13=vars(c13), cfg2=vars(c2)))
+                print(f"{mk} M={M} kernels: {kt}", flush=True)
+            for name, cfgs in candidates(c13, c2, w2, [c for c in args.candidates.split(",") if c]):
+                r = dict(model=mk, M=M, cand=name, cfg13=vars(cfgs[0]), cfg2=vars(cfgs[1]))
+                try:
+                    ap_fused_moe_fold(x, tw, ids, w13, w2, configs=cfgs)
+                    r["us"] = graph_time(lambda: ap_fused_moe_fold(x, tw, ids, w13, w2, configs=cfgs), args.reps, flush)["median"]
+                except Exception as e:
+                    r["error"] = f"{type(e).__name__}: {e}"[:200]
+                    torch.cuda.synchronize()
+                rows.append(r)
+                print(f"{mk:<10} M={M:<3} {name:<28} {r.get('us', float('nan')):8.1f} us {r.get('error', '')}", flush=True)
+                with open(args.out, "w") as f:
+                    json.dump(rows, f, indent=1)
+        del p13, p2, w13, w2
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
