@@ -54,7 +54,7 @@ def candidates(c13, c2, w2, names=None):
         yield f"ring_kb={kb} min_blocks=4", (replace(c13, ring_kb=kb, min_blocks=4), replace(c2, ring_kb=kb, min_blocks=4))
     for sd in (1, 2):
         yield f"scale_stages={sd}", (replace(c13, scale_stages=sd), replace(c2, scale_stages=sd))
-    yield "stage_chunks=8 ring_kb=16", (replace(c13, stage_chunks=8), replace(c2, stage_chunks=8))
+    yield "stage_chunks=8 ring_kb=16", both(c13, c2, stage_chunks=8, ring_kb=16)
     for wk in (1, 2, 4):
         if wk != c13.wk:
             yield f"w13 wk={wk}", (replace(c13, wk=wk), c2)

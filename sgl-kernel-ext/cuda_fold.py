@@ -182,6 +182,9 @@ def _gemv(mode: int, cfg: FoldConfig, w: APMoEWeights, compute: int, out_code: i
           grid: tuple[int, int, int], *, xf, xs, topk_weights, sorted_ids, expert_ids, post_pad, xf_out, xs_out,
           acc_out, out, counters, bias, num_pairs: int, topk: int, n_out: int, m_rows: int, k_per_split: int,
           row_index: int, apply_w_in: bool, g_out: int, xunit_per_pair: bool, has_bias: bool = False) -> None:
+    if cfg.stage_chunks == 8 and cfg.ring_kb * 1024 < 2048 * w.bits_max:
+        raise ValueError(f"stage_chunks=8 at bits_max={w.bits_max} needs ring_kb >= {2 * w.bits_max} (one stage of "
+                         f"{w.bits_max} planes), got {cfg.ring_kb}")
     kernel = _compiled("ap_fold_gemv", tuple(gemv_defines(mode, cfg, w.bits_max, w.group_size, compute, out_code)),
                        device.index or 0, cfg.shared_bytes)
     kernel(grid=grid, block=(32 * NWARPS, 1, 1), shared_mem=cfg.shared_bytes,

@@ -73,7 +73,8 @@
 #define SPD 3  // stages ahead that the (scale, offset) loads run
 #endif
 #ifndef SC
-#define SC 4  // chunks per ring stage (4: 64-byte row pieces per plane, 8: 128-byte pieces)
+#define SC 4  // chunks per ring stage (4: 64-byte row pieces per plane, 8: 128-byte pieces; 2 above 4 bits when
+             // the ring would otherwise hold only one stage)
 #endif
 #if SC != 4 && SC != 8
 #error "SC must be 4 or 8"
@@ -263,9 +264,11 @@ template <int Q>
 __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, const float* xs, int n_table, int K,
                                           unsigned char* ring, int ra, int rb, int c_begin, int c_end,
                                           float (*y)[4]) {
+    // chunks per stage: SC, halved above 4 bits so that the 8 KB ring still holds two stages of 5-8 planes
+    constexpr int SCQ = (Q > 4 && SC == 4 && RING < 2 * Q * 1024) ? 2 : SC;
     constexpr int NP_HI = Q < 4 ? Q : 4;
     constexpr int NP_LO = Q > 4 ? Q - 4 : 0;
-    constexpr int PLANE_BYTES = 16 * SC * 16;  // one plane of a stage: 16 rows x SC chunks x 16 bytes
+    constexpr int PLANE_BYTES = 16 * SCQ * 16;  // one plane of a stage: 16 rows x SCQ chunks x 16 bytes
     constexpr int STAGE_BYTES = Q * PLANE_BYTES;
     constexpr int DR = RING / STAGE_BYTES;
     constexpr int D = DR > 8 ? 8 : (DR < 1 ? 1 : DR);  // stages in flight (1: the warp waits for each stage)
@@ -276,21 +279,23 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     const int ngroups = K / G;
     const u16* table = (const u16*)prow[1];
     // cp.async of this lane: tile rows g and g + 8 (global rows ra, rb), 16-byte chunks t (and t + 4) of each
-    // stage, into the swizzled slot (row r, chunk i) -> r * 16 SC + 16 (i ^ swz(r)) of each plane's piece:
+    // stage, into the swizzled slot (row r, chunk i) -> r * 16 SCQ + 16 (i ^ swz(r)) of each plane's piece:
     // conflict-free ldmatrix phases (8 rows of one chunk) and cp.async phases (2 rows x 4 chunks)
     const unsigned char* src[Q];
 #pragma unroll
     for (int p = 0; p < Q; ++p)
         src[p] = (const unsigned char*)prow[2 + p] + (long long)ra * row_bytes + (long long)(c_begin + t) * 16;
     const long long drow = (long long)(rb - ra) * row_bytes;
-    auto swz = [](int r) { return SC == 4 ? (r >> 1) & 3 : ((r & 1) << 2) | ((r >> 1) & 3); };
+    auto swz = [](int r) {
+        return SCQ == 2 ? (r >> 2) & 1 : SCQ == 4 ? (r >> 1) & 3 : ((r & 1) << 2) | ((r >> 1) & 3);
+    };
     const u32 ring_base = smem_u32(ring);
-    const u32 dst_a = (u32)(g * SC * 16 + ((t ^ swz(g)) << 4)), dst_b = (u32)((g + 8) * SC * 16 + ((t ^ swz(g + 8)) << 4));
-    const u32 dst_a4 = (u32)(g * SC * 16 + (((t + 4) ^ swz(g)) << 4));
-    const u32 dst_b4 = (u32)((g + 8) * SC * 16 + (((t + 4) ^ swz(g + 8)) << 4));
+    const u32 dst_a = (u32)(g * SCQ * 16 + ((t ^ swz(g)) << 4)), dst_b = (u32)((g + 8) * SCQ * 16 + ((t ^ swz(g + 8)) << 4));
+    const u32 dst_a4 = (u32)(g * SCQ * 16 + (((t + 4) ^ swz(g)) << 4));
+    const u32 dst_b4 = (u32)((g + 8) * SCQ * 16 + (((t + 4) ^ swz(g + 8)) << 4));
     // ldmatrix row address of this lane: matrix m = lane / 8 -> (plane +m/2, row half m%2), row lane % 8
     const int lm = lane >> 3, lr = (lane & 7) + 8 * (lm & 1);
-    const u32 lsm = (u32)((lm >> 1) * PLANE_BYTES + lr * SC * 16);
+    const u32 lsm = (u32)((lm >> 1) * PLANE_BYTES + lr * SCQ * 16);
     const int lsw = swz(lr);
     // table rows of ra and rb (scale at [0], offset at [n_table * ngroups])
     const u16* tab_a = table + (long long)ra * ngroups;
@@ -298,18 +303,18 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     const int toff = n_table * ngroups;
     const u16* xl = xf + lane * 8;
 
-    const int nstages = (c_end - c_begin + SC - 1) / SC;
+    const int nstages = (c_end - c_begin + SCQ - 1) / SCQ;
     auto issue = [&](int st) {
-        const int c = c_begin + st * SC + t;
-        if (st < nstages && c < c_end) {
+        const int c = c_begin + st * SCQ + t;
+        if (st < nstages && t < SCQ && c < c_end) {
             const u32 base = ring_base + (u32)((st % D) * STAGE_BYTES);
-            const long long so = (long long)st * SC * 16;
+            const long long so = (long long)st * SCQ * 16;
 #pragma unroll
             for (int p = 0; p < Q; ++p) {
                 cp_async16(base + p * PLANE_BYTES + dst_a, src[p] + so);
                 cp_async16(base + p * PLANE_BYTES + dst_b, src[p] + so + drow);
             }
-            if (SC == 8 && c + 4 < c_end) {
+            if (SCQ == 8 && c + 4 < c_end) {
 #pragma unroll
                 for (int p = 0; p < Q; ++p) {
                     cp_async16(base + p * PLANE_BYTES + dst_a4, src[p] + so + 64);
@@ -321,8 +326,8 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     };
     // (scale, offset) of rows ra, rb for the group of stage position t + 4 h
     auto load_scales = [&](int st, int h, u16* sc) {
-        const int c = c_begin + st * SC + t + 4 * h;
-        if (st < nstages && c < c_end) {
+        const int c = c_begin + st * SCQ + t + 4 * h;
+        if (st < nstages && t < SCQ && c < c_end) {
             const int grp = (c * CHUNK) / G;
             sc[0] = __ldg(tab_a + grp);
             sc[1] = __ldg(tab_a + toff + grp);
@@ -348,7 +353,7 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
 
 #pragma unroll
     for (int st = 0; st < D - 1; ++st) issue(st);
-    constexpr int NH = SC / 4;  // coefficient sets per lane and stage
+    constexpr int NH = SCQ < 4 ? 1 : SCQ / 4;  // coefficient sets per lane and stage
     // the tables come from DRAM: their loads run PD stages ahead (rotated through registers)
     constexpr int PD = SPD;
     u16 sc[PD][NH][4];
@@ -385,10 +390,10 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
 #pragma unroll
         for (int h = 0; h < NH; ++h) load_scales(st + PD, h, sc[PD - 1][h]);
         // group sums of the stage's groups (L2), loaded before the stage's work
-        float2 S_st[SC][NT];
+        float2 S_st[SCQ][NT];
 #pragma unroll
-        for (int i = 0; i < SC; ++i) {
-            const int c = c_begin + st * SC + i;
+        for (int i = 0; i < SCQ; ++i) {
+            const int c = c_begin + st * SCQ + i;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 S_st[i][nt] = make_float2(0.f, 0.f);
@@ -404,8 +409,8 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
         }
         const u32 sbase = ring_base + (u32)((st % D) * STAGE_BYTES);
 #pragma unroll
-        for (int i = 0; i < SC; ++i) {
-            const int c = c_begin + st * SC + i;
+        for (int i = 0; i < SCQ; ++i) {
+            const int c = c_begin + st * SCQ + i;
             if (c < c_end) {  // uniform over the warp
                 uint4(*b)[4] = bq[PREFETCH ? (i & 1) : 0];
                 if (!PREFETCH) load_act(c, bq[0]);
