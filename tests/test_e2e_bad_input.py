@@ -57,6 +57,32 @@ def test_corrupt_ap_file_fails_hash_check(ap_copy, server_env, cpu_server_flags,
     _no_server_left(tmp_path)
 
 
+def _poison_first_table(ap_dir: Path) -> str:
+    """Write fp16 NaN over the first value of the first table tensor, in place (file size and header unchanged);
+    returns the block name."""
+    import struct
+
+    for f in _ap_files(ap_dir):
+        raw = bytearray(f.read_bytes())
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8 : 8 + n])
+        for tensor, meta in header.items():
+            if tensor != "__metadata__" and meta["dtype"] == "F16" and not tensor.endswith(".planes"):
+                start = 8 + n + meta["data_offsets"][0]
+                raw[start : start + 2] = b"\x00\x7e"  # 0x7E00: fp16 NaN
+                f.write_bytes(bytes(raw))
+                return tensor.rsplit(".", 2)[0]
+    raise AssertionError("no table tensor found")
+
+
+def test_nan_table_is_refused_without_hash_verification(ap_copy, server_env, cpu_server_flags, tmp_path):
+    block = _poison_first_table(ap_copy)
+    log = _refuses(ap_copy, ["--enable-paged-weight", "--no-paged-weight-verify"], server_env, cpu_server_flags,
+                   tmp_path, block, "non-finite")
+    assert sum("PagedWeight error:" in line for line in log.splitlines()) == 1, log[-3000:]
+    _no_server_left(tmp_path)
+
+
 def test_manifest_hash_mismatch(ap_copy, server_env, cpu_server_flags, tmp_path):
     m = ap_copy / "pagedweight" / "manifest.json"
     manifest = json.loads(m.read_text())

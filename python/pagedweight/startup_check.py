@@ -7,13 +7,18 @@ checkpoint or flag never leaves a half-started server behind.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from typing import Any
 
 from pagedweight.config import PagedWeightConfig
 
 # HF config keys that carry the number of routed experts, by family.
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+logger = logging.getLogger(__name__)
 
 
 class PagedWeightStartupError(RuntimeError):
@@ -62,6 +67,10 @@ def check_paged_weight_launch(server_args: Any, cfg: PagedWeightConfig) -> None:
         ckpt = APCheckpoint.open(ap_dir)
         ckpt.check_model_config(hf_config)
         ckpt.verify(deep=cfg.verify)
+        started = time.monotonic()
+        tables = ckpt.check_tables_finite()
+        logger.info("PagedWeight: %d AP tables of %s are finite (checked in %.2f s)", tables, ap_dir,
+                    time.monotonic() - started)
     except APCheckpointError as e:
         raise PagedWeightStartupError(f"--enable-paged-weight: {e}") from None
     _check_bits(cfg, ckpt.bits_min, ckpt.bits_max, f"the AP checkpoint {ap_dir!r}")

@@ -292,6 +292,32 @@ class APCheckpoint:
                         f"{list(sliced.get_shape())}, expected {dtype}{list(shape)}; re-run `pagedweight convert`"
                     )
 
+    def check_tables_finite(self, progress: bool = True) -> int:
+        """Refuse a table that holds NaN or +-inf (every bitwidth of every expert and dense block).
+
+        The hashes only prove that the files are what the converter wrote; a non-finite scale or offset written
+        by it (or edited in with verification off) would be served as is and turn every output of its expert
+        into NaN. Tables are a few percent of the bytes, so this runs whether or not `verify(deep=True)` does.
+        Returns the number of tables checked.
+        """
+        names = self.names() + self.dense_names()
+        checked = 0
+        with tqdm(total=len(names), unit="block", desc="check AP tables", disable=not progress) as bar:
+            for name in names:
+                for bits in self.bitwidths:
+                    table = self.table(name, bits)
+                    finite = torch.isfinite(table)
+                    if not bool(finite.all()):
+                        bad = int((~finite).sum())
+                        raise APCheckpointError(
+                            f"{self.directory / self._entry(name).file}: block {name!r} holds {bad} non-finite "
+                            f"value(s) (NaN or inf) in its {bits}-bit table; the checkpoint is corrupt, re-run "
+                            "`pagedweight convert`"
+                        )
+                    checked += 1
+                bar.update(1)
+        return checked
+
     def check_model_config(self, hf_config: Any) -> None:
         """Refuse a model whose shape-fixing config differs from the one this checkpoint was made from.
 
