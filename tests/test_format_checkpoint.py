@@ -118,11 +118,9 @@ def test_hash_mismatch_is_found_by_deep_verify(tmp_path):
 def test_non_finite_table_is_refused_even_when_the_hashes_match(tmp_path):
     blocks = _write(tmp_path / "clean")
     assert APCheckpoint.open(tmp_path / "clean").check_tables_finite(progress=False) == len(blocks) * 4
-    g = torch.Generator().manual_seed(0)
-    bad = dict(_blocks("bcq"))
+    bad = _blocks("bcq")
     name = sorted(bad)[3]
-    key, block, w = bad[name]
-    block.tables[3][1, 0, 0] = float("nan")  # what a broken converter would write: hashed as written
+    bad[name][1].tables[3][1, 0, 0] = float("nan")  # what a broken converter would write: hashed as written
     writer = APCheckpointWriter(
         tmp_path / "bad", table_kind="bcq", bits_min=2, bits_max=5, group_size=8,
         model=ModelInfo.from_config(CONFIG), calibration=None, seed=0,
@@ -130,7 +128,6 @@ def test_non_finite_table_is_refused_even_when_the_hashes_match(tmp_path):
     for n, (k, b, _) in bad.items():
         writer.add(n, k, b)
     writer.finish(progress=False)
-    del g, w
     ckpt = APCheckpoint.open(tmp_path / "bad")
     ckpt.verify(deep=True, progress=False)  # the hashes cannot see it
     with pytest.raises(APCheckpointError, match=rf"block '{name}' holds 1 non-finite value\(s\).*3-bit table"):
