@@ -96,48 +96,17 @@
 #define GC (G / CHUNK)                      // chunks per group
 #define UNIT_CHUNK_ELEMS (NT * 4 * 32 * 8)  // 16-bit activation values of one unit and chunk
 
+#include "cuda_common.cuh"
+
 #if CT == 0
-#define MAGIC 0x43004300u
 #define BIAS 128.f
-#define MMA_TYPE "bf16"
 #else
-#define MAGIC 0x64006400u
 #define BIAS 1024.f
-#define MMA_TYPE "f16"
 #endif
 
-typedef unsigned int u32;
-typedef unsigned short u16;
 
-__device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {  // (a & b) | c
-    u32 d;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
 
-__device__ __forceinline__ float h2f(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
 
-__device__ __forceinline__ u16 f2ct(float f) {  // float -> the compute type, round to nearest even
-    u16 h;
-#if CT == 0
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#else
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#endif
-    return h;
-}
-
-__device__ __forceinline__ float ct2f(u16 h) {
-#if CT == 0
-    return __uint_as_float(((u32)h) << 16);
-#else
-    return h2f(h);
-#endif
-}
 
 __device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE
@@ -146,62 +115,14 @@ __device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 
-__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
-}
-__device__ __forceinline__ void ldsm_x2(u32 addr, u32& r0, u32& r1) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(addr) : "memory");
-}
 
 __device__ __forceinline__ uint4 ldg128(const u16* p) { return __ldg((const uint4*)p); }
 
-// 4 x 4 bit transposition inside every nibble of four words (two delta-swap stages, 4 shifts and 4 lop3 each):
-// on return nibble i of w[j] holds bit j of nibble i of the old w[0..3] in its bits 0..3 (old w[r] -> bit r).
-// Fed with the planes in reverse (w[r] = plane 3 - r), w[j] then holds in nibble i the 4-bit code (plane p at
-// bit 3 - p) of input 4 i + j.
-__device__ __forceinline__ u32 lop3_sel(u32 a, u32 b, u32 m) {  // (a & m) | (b & ~m)
-    u32 d;
-    asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(d) : "r"(a), "r"(b), "r"(m));
-    return d;
-}
-
-__device__ __forceinline__ void transpose4(u32* w) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {  // rows r, r + 2: bits 2-3 of row r <-> bits 0-1 of row r + 2
-        const u32 a = w[r], b = w[r + 2];
-        w[r] = lop3_sel(a, b << 2, 0x33333333u);
-        w[r + 2] = lop3_sel(b, a >> 2, 0xCCCCCCCCu);
-    }
-#pragma unroll
-    for (int r = 0; r < 4; r += 2) {  // rows r, r + 1: bits 1, 3 of row r <-> bits 0, 2 of row r + 1
-        const u32 a = w[r], b = w[r + 1];
-        w[r] = lop3_sel(a, b << 1, 0x55555555u);
-        w[r + 1] = lop3_sel(b, a >> 1, 0xAAAAAAAAu);
-    }
-}
-
-// nibble codes of inputs 4 i + j (j = 0..3) from NP <= 4 plane words (plane p -> bit 3 - p; missing planes 0)
-template <int NP>
-__device__ __forceinline__ void codes_of(const u32* planes, u32* out) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) out[r] = 3 - r < NP ? planes[3 - r] : 0u;
-    transpose4(out);
-}
-
-// the mma operand (BIAS + c_e, BIAS + c_{e+4}) of nibbles e and e + 4 of v
-__device__ __forceinline__ u32 code_pair(u32 v, int e) { return lop3_and_or(v >> (4 * e), 0x000F000Fu, MAGIC); }
 
 // the 8 codes of word j of rows g (va) and g + 8 (vb) times every n-tile's activations, into acc: two mma, the
 // code pairs (e0, e0 + 4) in slots (2t, 2t+1) and (e0 + 1, e0 + 5) in slots (2t+8, 2t+9), e0 = 0, 2
@@ -463,18 +384,6 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     cp_async_wait<0>();
 }
 
-#define Q_SWITCH(q, CALL) \
-    switch (q) {          \
-        CASE_Q(1, CALL)   \
-        CASE_Q(2, CALL)   \
-        CASE_Q(3, CALL)   \
-        CASE_Q(4, CALL)   \
-        CASE_Q(5, CALL)   \
-        CASE_Q(6, CALL)   \
-        CASE_Q(7, CALL)   \
-        CASE_Q(8, CALL)   \
-        default: break;   \
-    }
 
 extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
     const u16* xf, const float* xs, const long long* page_table, const float* topk_weights, const int* sorted_ids,
@@ -665,16 +574,6 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
 // 1 unit = pair (x[pair / topk] * w[pair]), 2 unit = m-block of pairs (sorted_ids), 3 the same times w[pair],
 // 4 unit = block of rows of a dense linear. Also zeroes `zero[0 .. zero_len)` (the accumulators of the calls
 // that follow) with the whole grid.
-
-__device__ __forceinline__ float load_x(const void* x, long long r, long long ld, int k) {
-#if XT == 0
-    return __uint_as_float(((u32)((const u16*)x)[r * ld + k]) << 16);
-#elif XT == 1
-    return h2f(((const u16*)x)[r * ld + k]);
-#else
-    return ((const float*)x)[r * ld + k];
-#endif
-}
 
 extern "C" __global__ void __launch_bounds__(256) ap_fold_prep(
     const void* x, int ld, const float* topk_weights, const int* sorted_ids, const int* post_pad, int has_post_pad,

@@ -1,0 +1,129 @@
+// Device helpers shared by the tensor-core kernels over ubcq bit-planes (cuda_fold_gemv.cu, cuda_grouped_gemm.cu).
+// NVRTC has no include path here: nvrtc.source_text pastes this file where a kernel source includes it. Needs CT
+// (0 bf16, 1 fp16: the 16-bit type of activations and MMA operands) defined before the include.
+
+#ifndef CT
+#error "CT must be defined before cuda_common.cuh"
+#endif
+#ifndef XT
+#define XT 0  // dtype of the activations the prep kernels read: 0 bf16, 1 fp16, 2 fp32
+#endif
+
+#if CT == 0
+#define MAGIC 0x43004300u  // the 16-bit pattern MAGIC | c is the value 128 + c
+#define MMA_TYPE "bf16"
+#else
+#define MAGIC 0x64006400u  // 1024 + c
+#define MMA_TYPE "f16"
+#endif
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+__device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {  // (a & b) | c
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f2ct(float f) {  // float -> the compute type, round to nearest even
+    u16 h;
+#if CT == 0
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#endif
+    return h;
+}
+
+__device__ __forceinline__ float ct2f(u16 h) {
+#if CT == 0
+    return __uint_as_float(((u32)h) << 16);
+#else
+    return h2f(h);
+#endif
+}
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x2(u32 addr, u32& r0, u32& r1) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(addr) : "memory");
+}
+
+// 4 x 4 bit transposition inside every nibble of four words (two delta-swap stages, 4 shifts and 4 lop3 each):
+// on return nibble i of w[j] holds bit j of nibble i of the old w[0..3] in its bits 0..3 (old w[r] -> bit r).
+// Fed with the planes in reverse (w[r] = plane 3 - r), w[j] then holds in nibble i the 4-bit code (plane p at
+// bit 3 - p) of input 4 i + j.
+__device__ __forceinline__ u32 lop3_sel(u32 a, u32 b, u32 m) {  // (a & m) | (b & ~m)
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(d) : "r"(a), "r"(b), "r"(m));
+    return d;
+}
+
+__device__ __forceinline__ void transpose4(u32* w) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // rows r, r + 2: bits 2-3 of row r <-> bits 0-1 of row r + 2
+        const u32 a = w[r], b = w[r + 2];
+        w[r] = lop3_sel(a, b << 2, 0x33333333u);
+        w[r + 2] = lop3_sel(b, a >> 2, 0xCCCCCCCCu);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; r += 2) {  // rows r, r + 1: bits 1, 3 of row r <-> bits 0, 2 of row r + 1
+        const u32 a = w[r], b = w[r + 1];
+        w[r] = lop3_sel(a, b << 1, 0x55555555u);
+        w[r + 1] = lop3_sel(b, a >> 1, 0xAAAAAAAAu);
+    }
+}
+
+// nibble codes of inputs 4 i + j (j = 0..3) from NP <= 4 plane words (plane p -> bit 3 - p; missing planes 0)
+template <int NP>
+__device__ __forceinline__ void codes_of(const u32* planes, u32* out) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) out[r] = 3 - r < NP ? planes[3 - r] : 0u;
+    transpose4(out);
+}
+
+// the mma operand (BIAS + c_e, BIAS + c_{e+4}) of nibbles e and e + 4 of v
+__device__ __forceinline__ u32 code_pair(u32 v, int e) { return lop3_and_or(v >> (4 * e), 0x000F000Fu, MAGIC); }
+
+#define Q_SWITCH(q, CALL) \
+    switch (q) {          \
+        CASE_Q(1, CALL)   \
+        CASE_Q(2, CALL)   \
+        CASE_Q(3, CALL)   \
+        CASE_Q(4, CALL)   \
+        CASE_Q(5, CALL)   \
+        CASE_Q(6, CALL)   \
+        CASE_Q(7, CALL)   \
+        CASE_Q(8, CALL)   \
+        default: break;   \
+    }
+
+// element k of row r of a [rows, ld] activation matrix in the XT dtype, as float
+__device__ __forceinline__ float load_x(const void* x, long long r, long long ld, int k) {
+#if XT == 0
+    return __uint_as_float(((u32)((const u16*)x)[r * ld + k]) << 16);
+#elif XT == 1
+    return h2f(((const u16*)x)[r * ld + k]);
+#else
+    return ((const float*)x)[r * ld + k];
+#endif
+}
