@@ -78,8 +78,20 @@ def moe_align_block_size_torch(topk_ids: torch.Tensor, block_size: int, num_expe
     )
 
 
+# From this many (token, slot) pairs on, CUDA runs the one-block CUDA alignment (cuda_align.py) rather than the
+# single-program Triton one, whose work grows with pairs x experts. H200 (benchmark/align_bench.py, kernel.md
+# session 12): even up to 8 pairs (~10-15 us, launch-bound), CUDA ahead from 16 pairs over 128 experts (10.0 vs
+# 15.3 us), at 512 pairs (9.9 vs 34.6) and at 16k pairs (25 vs 867 us); outputs identical everywhere.
+CUDA_ALIGN_MIN_PAIRS = 8
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int) -> MoEAlignment:
-    """One Triton launch on CUDA (graph capturable); the torch version on CPU."""
+    """One launch on CUDA (graph capturable): Triton at decode sizes, CUDA from CUDA_ALIGN_MIN_PAIRS pairs; the
+    torch version on CPU."""
     if topk_ids.is_cuda:
+        if topk_ids.numel() >= CUDA_ALIGN_MIN_PAIRS:
+            from pagedweight.kernels.cuda_align import moe_align_block_size_cuda
+
+            return MoEAlignment(*moe_align_block_size_cuda(topk_ids, block_size, num_experts), block_size=block_size)
         return MoEAlignment(*moe_align_block_size_triton(topk_ids, block_size, num_experts), block_size=block_size)
     return moe_align_block_size_torch(topk_ids, block_size, num_experts)

@@ -1,4 +1,4 @@
-"""moe_align_block_size: torch version against a plain-Python oracle, Triton version against torch."""
+"""moe_align_block_size: torch version against a plain-Python oracle, the Triton and CUDA versions against it."""
 
 from __future__ import annotations
 
@@ -30,6 +30,13 @@ CASES = [
     ("single", lambda g: torch.tensor([[3]]), 16, 4),
     ("many", lambda g: torch.randint(0, 60, (300, 4), generator=g), 16, 60),
 ]
+# prefill sizes (the CUDA alignment, from CUDA_ALIGN_MIN_PAIRS pairs): uneven warp chunks, dropped ids, empty experts
+BIG_CASES = [
+    ("qwen3_like", lambda g: torch.stack([torch.randperm(128, generator=g)[:8] for _ in range(777)]), 64, 128),
+    ("skewed_dropped", lambda g: torch.where(torch.rand(1000, 2, generator=g) < 0.1, -1,
+                                             torch.randint(0, 3, (1000, 2), generator=g) * 3), 128, 10),
+    ("int64_few_experts", lambda g: torch.randint(0, 8, (4096, 2), generator=g).long(), 128, 8),
+]
 
 
 def check(al, ids, bs, e):
@@ -55,6 +62,14 @@ def test_torch_align_matches_oracle(name, make, bs, e):
 def test_triton_align_matches_oracle(name, make, bs, e):
     ids = make(torch.Generator().manual_seed(0)).to(torch.int32)
     if KERNEL_DEVICE == "cuda":
+        from pagedweight.kernels.align import MoEAlignment
+        from pagedweight.kernels.cuda_align import moe_align_block_size_cuda
+        from pagedweight.kernels.triton_align import moe_align_block_size_triton
+
+        for fn in (moe_align_block_size_cuda, moe_align_block_size_triton):  # both, whatever the size rule picks
+            al = MoEAlignment(*fn(ids.cuda(), bs, e), block_size=bs)
+            check(type(al)(*(t.cpu() for t in (al.sorted_ids, al.expert_ids, al.num_tokens_post_padded)),
+                           block_size=bs), ids, bs, e)
         al = moe_align_block_size(ids.cuda(), bs, e)
     else:
         from pagedweight.kernels.align import MoEAlignment
@@ -67,3 +82,24 @@ def test_triton_align_matches_oracle(name, make, bs, e):
 @pytest.mark.skipif(INTERPRET or HAS_CUDA, reason="only in a plain CPU run: re-runs this file interpreted")
 def test_align_under_interpreter():
     run_under_interpreter(__file__)
+
+
+def test_cuda_align_compiles_for_sm90():
+    from pagedweight.kernels.cuda_align import compile_to_cubin
+
+    assert compile_to_cubin("90")[:4] == b"\x7fELF"
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="the CUDA alignment needs a CUDA device")
+@pytest.mark.parametrize("name,make,bs,e", BIG_CASES, ids=[c[0] for c in BIG_CASES])
+def test_cuda_align_matches_torch_at_prefill_sizes(name, make, bs, e):
+    from pagedweight.kernels.align import CUDA_ALIGN_MIN_PAIRS
+
+    ids = make(torch.Generator().manual_seed(0))
+    ids = ids if ids.dtype == torch.int64 else ids.to(torch.int32)
+    assert ids.numel() >= CUDA_ALIGN_MIN_PAIRS  # moe_align_block_size takes the CUDA kernel
+    al = moe_align_block_size(ids.cuda(), bs, e)
+    ref = moe_align_block_size_torch(ids, bs, e)
+    for got, want in zip((al.sorted_ids, al.expert_ids, al.num_tokens_post_padded),
+                         (ref.sorted_ids, ref.expert_ids, ref.num_tokens_post_padded)):
+        assert torch.equal(got.cpu(), want), name
