@@ -3,8 +3,9 @@
 Set `backend="triton"` to run the Triton kernels on CPU tensors (only under TRITON_INTERPRET=1, for
 tests); `backend="reference"` forces the torch oracle on any device. On CUDA, `kernel` picks between the
 Triton tile kernels, the CUDA activation-side-table kernel for binary-coded planes at decode sizes
-(cuda_lut.py) and the CUDA tensor-core kernel for ubcq planes at small batches (cuda_mma.py): "auto" takes
-a CUDA kernel where it is eligible and measured faster, "lut" / "mma" demand one (an ineligible block
+(cuda_lut.py), the CUDA tensor-core kernels for ubcq planes at small batches (cuda_mma.py, cuda_fold.py) and the
+grouped GEMM for ubcq planes at prefill sizes (cuda_grouped.py): "auto" takes
+a CUDA kernel where it is eligible and measured faster, "lut" / "mma" / "fold" / "grouped" demand one (an ineligible block
 raises, naming why). No path falls back silently: an unsupported combination raises.
 """
 
@@ -23,6 +24,7 @@ from pagedweight.kernels.config import (
     default_linear_config,
     default_moe_configs,
     prefer_fold,
+    prefer_grouped,
     prefer_lut,
     prefer_mma,
 )
@@ -30,8 +32,8 @@ from pagedweight.kernels.reference import ap_fused_moe_reference, ap_linear_refe
 from pagedweight.kernels.weights import APMoEWeights
 
 Backend = Literal["auto", "triton", "reference"]
-Kernel = Literal["auto", "tiles", "lut", "mma", "fold"]
-CUDA_KERNELS = ("lut", "mma", "fold")
+Kernel = Literal["auto", "tiles", "lut", "mma", "fold", "grouped"]
+CUDA_KERNELS = ("lut", "mma", "fold", "grouped")
 
 
 def triton_interpreting() -> bool:
@@ -54,7 +56,7 @@ def _pick_backend(t: torch.Tensor, backend: Backend) -> str:
 
 def _check_kernel(kernel: Kernel, path: str) -> None:
     if kernel not in ("auto", "tiles") + CUDA_KERNELS:
-        raise ValueError(f"kernel must be 'auto', 'tiles', 'lut', 'mma' or 'fold', got {kernel!r}")
+        raise ValueError(f"kernel must be 'auto', 'tiles', 'lut', 'mma', 'fold' or 'grouped', got {kernel!r}")
     if kernel in CUDA_KERNELS and path == "reference":
         raise ValueError(f"kernel={kernel!r} cannot run: it is a CUDA kernel and the inputs are not on a CUDA device "
                          "(or backend='reference' was asked for)")
@@ -62,15 +64,18 @@ def _check_kernel(kernel: Kernel, path: str) -> None:
 
 def _use_cuda_kernel(name: str, kernel: Kernel, on_cuda: bool, weights: tuple[APMoEWeights, ...], wins: bool,
                      explicit_config: bool) -> bool:
-    """Whether the CUDA kernel `name` ("lut", "mma" or "fold") runs (kernel=name raises where it cannot)."""
+    """Whether the CUDA kernel `name` ("lut", "mma", "fold" or "grouped") runs (kernel=name raises where it
+    cannot)."""
     if kernel not in ("auto", name):
         return False
     if name == "lut":
         from pagedweight.kernels.cuda_lut import lut_unsupported as unsupported
     elif name == "mma":
         from pagedweight.kernels.cuda_mma import mma_unsupported as unsupported
-    else:
+    elif name == "fold":
         from pagedweight.kernels.cuda_fold import fold_unsupported as unsupported
+    else:
+        from pagedweight.kernels.cuda_grouped import grouped_unsupported as unsupported
 
     why = "it is a CUDA kernel and the inputs are not on a CUDA device" if not on_cuda else None
     for w in weights:
@@ -79,6 +84,10 @@ def _use_cuda_kernel(name: str, kernel: Kernel, on_cuda: bool, weights: tuple[AP
         from pagedweight.kernels.cuda_fold import fold_moe_unsupported
 
         why = fold_moe_unsupported(*weights)
+    if why is None and name == "grouped":
+        from pagedweight.kernels.cuda_grouped import grouped_moe_unsupported
+
+        why = "it serves the MoE layer only" if len(weights) != 2 else grouped_moe_unsupported(*weights)
     if kernel == name:
         if why is not None:
             raise ValueError(f"kernel={name!r} cannot run: {why}")
@@ -119,12 +128,14 @@ def ap_fused_moe(
     m, topk = topk_ids.shape
     # the CUDA kernels in the order their rules are asked (their size ranges overlap: the first eligible wins)
     rules = (("fold", prefer_fold(m, topk, w13.num_experts, w2.K)), ("mma", prefer_mma(m, topk, w13.num_experts)),
-             ("lut", prefer_lut(m, topk, w13.num_experts)))
+             ("lut", prefer_lut(m, topk, w13.num_experts)), ("grouped", prefer_grouped(m, topk, w13.num_experts)))
     for name, wins in rules:
         if _use_cuda_kernel(name, kernel, hidden.is_cuda, (w13, w2), wins, configs is not None):
             if m == 0:
                 return torch.zeros_like(hidden)
-            if name == "fold":
+            if name == "grouped":
+                from pagedweight.kernels.cuda_grouped import ap_fused_moe_grouped as fused_moe
+            elif name == "fold":
                 from pagedweight.kernels.cuda_fold import ap_fused_moe_fold as fused_moe
             elif name == "mma":
                 from pagedweight.kernels.cuda_mma import ap_fused_moe_mma as fused_moe
@@ -179,6 +190,9 @@ def ap_linear(
         raise ValueError(f"row {row} outside the page table's {w.num_experts} rows")
     if bias is not None and tuple(bias.shape) != (w.N,):
         raise ValueError(f"bias must be [N={w.N}], got {tuple(bias.shape)}")
+    if kernel == "grouped":
+        raise ValueError("kernel='grouped' serves the MoE layer (ap_fused_moe) only; a dense linear takes "
+                         "'auto', 'tiles', 'lut', 'mma' or 'fold'")
     path = _pick_backend(x, backend)
     _check_kernel(kernel, path)
     if path == "reference":

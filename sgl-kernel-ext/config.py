@@ -228,3 +228,21 @@ def prefer_fold(num_tokens: int, topk: int, num_experts: int, intermediate: int)
     hit = max(expected_experts_hit(num_tokens, topk, num_experts), 1.0)
     per_expert = num_tokens * topk / hit
     return num_tokens > 1 and intermediate >= FOLD_MIN_INTERMEDIATE and per_expert <= FOLD_MAX_PAIRS_PER_EXPERT
+
+
+# The grouped kernel (cuda_grouped.py, CUDA, ubcq, groups of a multiple of 128) is asked after the fold, MMA and LUT
+# kernels: from GROUPED_MIN_PAIRS_PER_EXPERT pairs per expected expert hit it replaces the tile kernels and the
+# dequantize-then-GEMM prefill path (it decodes the planes in its mainloop: no scratch).
+# Up to GROUPED_MAX_PAIRS_PER_EXPERT: beyond it the dequantize-then-GEMM path, which rebuilds each expert once
+# into a scratch, is still faster (H200, 4 bits, docs/results/kernel.md run 18: Mixtral M = 2048, 512 pairs per
+# expert, 4.59 ms vs grouped 5.49; at 128 per expert the grouped kernel leads on every shape: Qwen3-30B-A3B M = 2048
+# 0.98 vs 1.16 ms, Mixtral M = 512 1.67 vs 2.57, Qwen1.5-MoE M = 2048 0.83 vs 1.02).
+GROUPED_MIN_PAIRS_PER_EXPERT = 16.0
+GROUPED_MAX_PAIRS_PER_EXPERT = 256.0
+
+
+def prefer_grouped(num_tokens: int, topk: int, num_experts: int) -> bool:
+    """Whether the grouped kernel is the default for this routing size (ubcq tables it can read; others fall
+    through to the tile / prefill rules)."""
+    hit = max(expected_experts_hit(num_tokens, topk, num_experts), 1.0)
+    return GROUPED_MIN_PAIRS_PER_EXPERT <= num_tokens * topk / hit < GROUPED_MAX_PAIRS_PER_EXPERT

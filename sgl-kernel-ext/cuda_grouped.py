@@ -1,0 +1,177 @@
+"""Prefill-size AP MoE over ubcq planes: a grouped GEMM that decodes the planes in its mainloop
+(cuda_grouped_gemm.cu, NVRTC), so no expert is ever dequantized into a scratch.
+
+Each block multiplies 128 weight rows by up to 64 * wn (token, slot) pairs of one expert on tensor cores. The
+plane bytes, the activations and their group sums pass through a cp.async pipeline in shared memory; every
+weight pair of an mma fragment is built from the bit-transposed codes with one lop3 and one packed fma (c A in
+the compute type), and each group's offset enters in fp32 from the group's activation sum (docs/kernels.md,
+"The grouped kernel"). One call is the alignment + prep (w13's input in the kernel's chunk order with its group
+sums; zeroes the accumulators) + w13 (silu(gate) * up in its epilogue, written in w2's order) + w2 (float32
+atomics, routing weights applied) + one cast.
+
+Device memory beyond the output: w13's input in the compute type ([M or M * topk, H]), w2's input ([M * topk,
+I]), float32 group sums and the float32 [M, H] accumulator; nothing proportional to the experts.
+
+Scope: CUDA, ubcq tables, group sizes multiples of 128, hidden and intermediate sizes multiples of 128.
+`grouped_moe_unsupported` says why a layer is not eligible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedweight.kernels.align import moe_align_block_size
+from pagedweight.kernels.cuda_fold import compute_code
+from pagedweight.kernels.nvrtc import cached_kernel, compile_cubin
+from pagedweight.kernels.weights import APMoEWeights
+
+CHUNK = 128
+ROWS_PER_BLOCK = 128  # weight rows of one block (w13: 64 gate rows and their up rows)
+_SOURCE = Path(__file__).with_name("cuda_grouped_gemm.cu")
+_DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+MODE_W13, MODE_W2 = 0, 1
+SRC_TOKEN, SRC_PAIR = 0, 1
+MAX_GROUPS = 256  # prep's shared group sums per row
+
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    wn: int = 2  # warps along the pairs: 64 * wn pairs per block (4 * wn warps)
+    stages: int = 3  # chunks of 128 inputs in flight in shared memory
+    wgmma: bool = True  # warpgroup MMA (sm_90a: Hopper) rather than mma.sync (any sm_80+ GPU)
+
+    def __post_init__(self) -> None:
+        if self.wn not in (1, 2):
+            raise ValueError(f"wn must be 1 or 2, got {self.wn}")
+        if not 2 <= self.stages <= 4:
+            raise ValueError(f"stages must be in 2..4, got {self.stages}")
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.wn
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.wn
+
+    def shared_bytes(self, bits_max: int) -> int:
+        """Dynamic shared memory: the stages (each rounded up to 1 KB) plus 1 KB to align the first one."""
+        stage = self.block_m * 256 + bits_max * ROWS_PER_BLOCK * 16 + self.block_m * 4
+        return self.stages * (-(-stage // 1024) * 1024) + 1024
+
+
+def grouped_unsupported(w: APMoEWeights) -> str | None:
+    """Why the grouped kernel cannot read `w` (None when it can)."""
+    if w.table_kind != "ubcq":
+        return (f"table kind {w.table_kind!r} (the grouped kernel reads ubcq tables, whose weights are affine in the "
+                "code)")
+    if w.group_size % CHUNK:
+        return f"ubcq group size {w.group_size} is not a multiple of {CHUNK}"
+    if w.K % w.group_size:
+        return f"K={w.K} is not a multiple of the group size {w.group_size}"
+    if w.K // w.group_size > MAX_GROUPS:
+        return f"K={w.K} holds more than {MAX_GROUPS} groups"
+    if not w.page_table.is_cuda:
+        return "the page table is not on a CUDA device"
+    return None
+
+
+def grouped_moe_unsupported(w13: APMoEWeights, w2: APMoEWeights) -> str | None:
+    why = grouped_unsupported(w13) or grouped_unsupported(w2)
+    if why is None and w2.N % ROWS_PER_BLOCK:
+        return f"the hidden size {w2.N} is not a multiple of {ROWS_PER_BLOCK}"
+    if why is None and w2.K % CHUNK:
+        return f"the intermediate size {w2.K} is not a multiple of {CHUNK}"
+    return why
+
+
+def require_grouped(why: str | None) -> None:
+    if why is not None:
+        raise ValueError(f"moe: the grouped kernel cannot run: {why}")
+
+
+def gemm_defines(mode: int, cfg: GroupedConfig, bits_max: int, group_size: int, compute: int) -> list[str]:
+    return [f"-DMODE={mode}", f"-DWN={cfg.wn}", f"-DPMAX={bits_max}", f"-DG={group_size}", f"-DCT={compute}",
+            f"-DSTAGES={cfg.stages}", f"-DWGMMA={int(cfg.wgmma)}"]
+
+
+def gemm_arch(cfg: GroupedConfig, compute_capability: str) -> str:
+    """The NVRTC target: wgmma needs the architecture-specific sm_90a."""
+    if cfg.wgmma:
+        if compute_capability != "90":
+            raise ValueError(f"the grouped kernel's wgmma variant needs an sm_90 (Hopper) GPU, got "
+                             f"sm_{compute_capability}: pass GroupedConfig(wgmma=False)")
+        return "90a"
+    return compute_capability
+
+
+def prep_defines(group_size: int, compute: int, x_dtype: torch.dtype) -> list[str]:
+    return ["-DMODE=0", f"-DG={group_size}", f"-DCT={compute}", f"-DXT={_DTYPE_CODE[x_dtype]}"]
+
+
+def compile_to_cubin(defines: list[str], compute_capability: str, name: str = "ap_grouped_gemm") -> bytes:
+    return compile_cubin(_SOURCE, name, compute_capability, defines)
+
+
+# Pairs per expert from which blocks of 128 pairs (8 warps) replace blocks of 64 (4 warps): fewer plane
+# rebuilds per weight against more padding of each expert's last block and half the blocks. H200, 4 bits
+# (benchmark/grouped_sweep.py, docs/results/kernel.md session 12): 64 pairs per block ahead at Qwen3-30B-A3B
+# M = 2048 (128 per expert: 0.98 vs 1.13 ms) and Mixtral M = 256 (64: 1.07 vs 1.28 ms), 128 ahead only at Mixtral
+# M = 2048 (512: 5.51 vs 5.62 ms). Three stages beat four everywhere, wgmma beat mma.sync everywhere.
+WIDE_BLOCK_MIN_PAIRS_PER_EXPERT = 256
+
+
+def default_grouped_config(m: int, topk: int, num_experts: int) -> GroupedConfig:
+    per_expert = m * topk / max(1, num_experts)
+    return GroupedConfig(wn=2 if per_expert >= WIDE_BLOCK_MIN_PAIRS_PER_EXPERT else 1)
+
+
+def ap_fused_moe_grouped(
+    hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: APMoEWeights, w2: APMoEWeights,
+    *, apply_router_weight_on_input: bool = False, config: GroupedConfig | None = None,
+) -> torch.Tensor:
+    """gate/up -> silu * up -> down with routing weights; [M, H] in hidden's dtype."""
+    require_grouped(grouped_moe_unsupported(w13, w2))
+    m, topk = topk_ids.shape
+    num_pairs = m * topk
+    dev = hidden.device
+    cfg = config or default_grouped_config(m, topk, w13.num_experts)
+    x = hidden.contiguous()
+    tw = topk_weights.contiguous().float()
+    compute = compute_code(x.dtype)
+    inter, H = w2.K, w2.N
+    units, src = (num_pairs, SRC_PAIR) if apply_router_weight_on_input else (m, SRC_TOKEN)
+    too_many_blocks = num_pairs + w13.num_experts * cfg.block_m >= 65535 * cfg.block_m
+    if max(units * w13.K, num_pairs * inter) >= 2**31 or too_many_blocks:
+        raise ValueError(f"moe: {m} tokens x top-{topk} exceed the grouped kernel's 32-bit activation offsets or its "
+                         f"65535 blocks of {cfg.block_m} pairs at hidden {w13.K} / intermediate {inter}: split the "
+                         "batch")
+    major, minor = torch.cuda.get_device_capability(dev)
+    cc = f"{major}{minor}"
+    align = moe_align_block_size(topk_ids, cfg.block_m, w13.num_experts)
+    ng2 = inter // w2.group_size
+    zero = torch.empty(m * H + num_pairs * ng2, dtype=torch.float32, device=dev)  # zeroed by the prep kernel
+    acc, xs2 = zero[: m * H], zero[m * H :]
+    xp = torch.empty(units, w13.K, dtype=torch.int16, device=dev)
+    xs13 = torch.empty(units, w13.K // w13.group_size, dtype=torch.float32, device=dev)
+    prep = cached_kernel(_SOURCE, "ap_grouped_prep", tuple(prep_defines(w13.group_size, compute, x.dtype)),
+                         dev.index or 0)
+    prep(grid=(units, 1, 1), block=(256, 1, 1),
+         args=[x, x.stride(0), tw, xp, xs13, topk, w13.K, src, zero, zero.numel()])
+    act = torch.empty(num_pairs, inter, dtype=torch.int16, device=dev)
+    common = [tw, align.sorted_ids, align.expert_ids, align.num_tokens_post_padded]
+    for mode, w, xin, xsin, n_out in ((MODE_W13, w13, xp, xs13, inter), (MODE_W2, w2, act, xs2, H)):
+        if n_out % (ROWS_PER_BLOCK // (2 if mode == MODE_W13 else 1)):
+            raise ValueError(f"moe: the grouped kernel needs {n_out} rows in whole blocks")
+        smem = cfg.shared_bytes(w.bits_max)
+        defines = tuple(gemm_defines(mode, cfg, w.bits_max, w.group_size, compute))
+        kernel = cached_kernel(_SOURCE, "ap_grouped_gemm", defines, dev.index or 0, smem, gemm_arch(cfg, cc))
+        rows = ROWS_PER_BLOCK // 2 if mode == MODE_W13 else ROWS_PER_BLOCK
+        kernel(grid=(n_out // rows, align.max_blocks, 1), block=(cfg.threads, 1, 1), shared_mem=smem,
+               args=[xin, xsin, w.page_table, *common, act, xs2, acc, num_pairs, topk, n_out, w.N, w.K,
+                     int(apply_router_weight_on_input), w.num_experts, w.page_table.stride(0), w2.group_size,
+                     int(apply_router_weight_on_input)])
+    return acc.view(m, H).to(hidden.dtype)

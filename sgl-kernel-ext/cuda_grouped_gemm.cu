@@ -1,0 +1,559 @@
+// Prefill-size AP MoE over ubcq bit-planes: a grouped GEMM that turns the planes into 16-bit weight fragments in
+// its mainloop, on tensor cores (mma.sync), with no dequantized scratch ("grouped" kernel). Compiled at first use
+// with NVRTC (cuda_grouped.py); no CUDA headers.
+//
+// ubcq weight (docs/format.md): W[n, k] = 2 s c + z per group of G inputs, z = o - s (2^q - 1), c the q-bit code
+// (plane 0 = MSB). A block holds 128 weight rows (MODE 0: 64 gate rows and their 64 up rows) x BM = 64 WN
+// (token, slot) pairs of one expert (the sorted layout of moe_align_block_size), and walks K in chunks of 128
+// inputs through a STAGES-deep cp.async pipeline in shared memory (activations, plane bytes, group sums).
+// Per chunk each warp (32 rows x 64 pairs) takes its rows' plane words by ldmatrix (the 4 x 4 word transposition
+// of the fold kernel: lane quarter t of a chunk in lane t), bit-transposes them into nibble codes (two delta-swap
+// stages), and builds each weight pair of an mma fragment with one lop3 and one packed fma, centred:
+//     W' = fma(BIAS + c, A, C) = A (c - K0) + eps,   C = round(-(BIAS + K0) A),  eps = C + (BIAS + K0) A
+// (bf16: BIAS = 128, MAGIC | c is BIAS + c exactly; K0 the middle of the code range), A = 2 s 2^(q-4) for q <= 4
+// (the nibble holds c << (4 - q)); fp16 (where (1024 + K0) A may overflow) forms c - K0 exactly and multiplies by A. q > 4 reads
+// c << (8 - q) = 16 hi + lo from two nibble sets, c formed exactly (c <= 255), A = 2 s 2^(q-8). The
+// offset enters once per (row, group, pair) in fp32: y += (z + K0 A - eps) S, S the group's activation sum. The
+// centring keeps W' as small as the weight itself, so rounding A to 16 bits costs 2^-9 of the result rather than
+// of a large z S that the codes' term would have to cancel.
+// Activation order: inside each chunk of 128 inputs the activations are stored permuted, so that 16-byte piece
+// (j, e) (j, e = 0..3) holds at element 2 t + h the input 32 t + 4 (e + 4 h) + j: an ldmatrix of 8 pair rows of a
+// piece is then exactly the B fragment that matches the code pairs a lane builds (nibbles e, e + 4 of code word
+// j). ap_grouped_prep writes w13's input in that order (with its group sums); w13's epilogue writes w2's.
+//
+// MODE 0: MoE gate/up; silu(gate) * up for each (n, pair), rounded to the compute type, into w2's activations
+//         [pairs, I] (row = pair, permuted chunks), with their group sums (float32 atomics into [pairs, I/g_out]).
+// MODE 1: MoE down, times the routing weight, float32 atomics into [M, N] (which also sums the top-k slots).
+
+#ifndef MODE
+#error "MODE must be defined"
+#endif
+#ifndef WN
+#define WN 2  // warps along the pairs: BM = 64 WN pairs per block
+#endif
+#ifndef PMAX
+#define PMAX 8
+#endif
+#ifndef G
+#define G 128  // group size, a multiple of 128
+#endif
+#ifndef CT
+#define CT 0  // activations and weights: 0 bf16, 1 fp16
+#endif
+#ifndef XT
+#define XT 0  // prep input dtype: 0 bf16, 1 fp16, 2 fp32
+#endif
+#ifndef STAGES
+#define STAGES 3
+#endif
+#ifndef WGMMA
+#define WGMMA 0  // 1: warpgroup MMA (sm_90a), the weights from registers and the activations from shared memory
+#endif
+#if G % 128
+#error "G must be a multiple of 128"
+#endif
+#if WN != 1 && WN != 2
+#error "WN must be 1 or 2"
+#endif
+
+// A tile T (16 rows, 0..7) of warp row wr (0..3), a = 0, 1: mma.sync gives a warp two adjacent tiles; wgmma a
+// warpgroup 64 rows per instruction, warp wr rows 16 wr .. 16 wr + 15 of each
+#define TILE(wr, a) (WGMMA ? 4 * (a) + (wr) : 2 * (wr) + (a))
+#define NWARPS (4 * WN)
+#define NTHREADS (NWARPS * 32)
+#define BM (64 * WN)
+#define BROWS 128
+#define CHUNK 128
+#define ACT_STAGE (BM * 256)
+#define PL_STAGE (BROWS * 16)
+#define SUM_OFF (ACT_STAGE + PMAX * PL_STAGE)
+#define STAGE_BYTES ((SUM_OFF + BM * 4 + 1023) / 1024 * 1024)  // 1024-byte aligned (the swizzle atoms)
+
+#include "cuda_common.cuh"
+
+#if CT == 0
+#define PK "bf16x2"
+#else
+#define PK "f16x2"
+#endif
+
+__device__ __forceinline__ u32 pfma(u32 a, u32 b, u32 c) {  // packed a * b + c, one rounding
+    u32 d;
+    asm("fma.rn." PK " %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+__device__ __forceinline__ u32 splat(float f) {  // both halves = f in the compute type
+    const u32 h = f2ct(f);
+    return h | (h << 16);
+}
+
+__device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE
+                 ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {  // src_bytes 0: zero fill
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+
+typedef unsigned long long u64;
+
+#if WGMMA
+// shared-memory matrix descriptor, 128-byte swizzle: start, leading (unused: 1) and stride (8-row groups) byte
+// offsets, each >> 4
+__device__ __forceinline__ u64 wg_desc(u32 addr, u32 lbo, u32 sbo) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// d[64 x 64] += A[64 x 16] (registers, the mma.m16n8k16 A fragment per warp) x B[16 x 64] (shared, K-major)
+__device__ __forceinline__ void wgmma_m64n64k16(float (*d)[4], const u32* a, u64 desc) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, 1, 0;\n"  // scale-d: accumulate
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." MMA_TYPE "." MMA_TYPE " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n"
+        "}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+          "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+          "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+          "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+#endif
+
+
+struct RowCoef {  // one row's group: packed A and C (bf16: the weight is fma(BIAS + c, A, C); fp16: C = -K0), the
+                  // offset's fp32 factor
+    u32 a2, c2;
+    float z;
+};
+
+// The weights enter centred, W' = A (c - K0) (+ a known constant), K0 the middle of the code range, and the
+// group's offset z + K0 A (less that constant) is applied in fp32: no large term of W' cancels
+// against a large z S, so the rounding of A to the compute type costs 2^-9 of the result, not of the offset.
+// bf16: one fma (BIAS + c) A + C with C = round(-(BIAS + K0) A): the product and the sum are exact before the one
+// rounding; C's own rounding error eps = C + (BIAS + K0) A is exact in fp32 and moves into the offset.
+// fp16 (where (1024 + K0) A may overflow): c exactly, then c - K0 exactly, then one multiply by A.
+template <int Q>
+__device__ __forceinline__ RowCoef make_row_coef(u16 s16, u16 o16) {
+    const float s = h2f(s16), o = h2f(o16);
+    const float z = o - s * (float)((1 << Q) - 1);
+    const float a = 2.f * s * __int_as_float((127 + (Q <= 4 ? Q - 4 : Q - 8)) << 23);
+    // the middle of the code range: (2^q - 1) / 2 in nibble (q <= 4) or byte (q > 4) units
+    const float k0 = (float)((1 << Q) - 1) * __int_as_float((127 + (Q <= 4 ? 3 - Q : 7 - Q)) << 23);
+    RowCoef c;
+    c.a2 = splat(a);
+    const float ar = ct2f((u16)c.a2);  // A as the compute type holds it
+#if CT == 0
+    const float k = Q <= 4 ? 128.f + k0 : k0;  // q > 4 forms c exactly first (no BIAS left in it)
+    c.c2 = splat(-k * ar);
+    const float eps = ct2f((u16)c.c2) + k * ar;  // exact: both terms are bf16 products with few bits
+#else
+    c.c2 = splat(-k0);  // exact in fp16
+    const float eps = 0.f;
+#endif
+    c.z = z + k0 * a - eps;  // the exact A: the rounded one's error stays in the centred term
+    return c;
+}
+
+// the weight pair of the nibbles (e, e + 4): q <= 4 from one code word, q > 4 from the hi and lo words
+template <int Q>
+__device__ __forceinline__ u32 weight_pair(u32 hi, u32 lo, int e, const RowCoef& rc) {
+#if CT == 0
+    const u32 NEG_BIAS = 0xC300C300u, ONE = 0x3F803F80u, SIXTEEN = 0x41804180u, NEG_16BIAS = 0xC500C500u;
+#else
+    const u32 NEG_BIAS = 0xE400E400u, ONE = 0x3C003C00u, SIXTEEN = 0x4C004C00u, NEG_16BIAS = 0xF400F400u;
+#endif
+    const u32 NEG_ZERO = 0x80008000u;
+    if (Q <= 4) {
+#if CT == 0
+        return pfma(code_pair(hi, e), rc.a2, rc.c2);
+#else
+        return pfma(pfma(pfma(code_pair(hi, e), ONE, NEG_BIAS), ONE, rc.c2), rc.a2, NEG_ZERO);
+#endif
+    } else {
+        const u32 h16 = pfma(code_pair(hi, e), SIXTEEN, NEG_16BIAS);  // 16 hi, exact
+        const u32 lo1 = pfma(code_pair(lo, e), ONE, NEG_BIAS);        // lo, exact
+        const u32 c = pfma(h16, ONE, lo1);                            // 16 hi + lo <= 255, exact
+#if CT == 0
+        return pfma(c, rc.a2, rc.c2);
+#else
+        return pfma(pfma(c, ONE, rc.c2), rc.a2, NEG_ZERO);
+#endif
+    }
+}
+
+// ------------------------------------------------------------------------------------------------ the GEMM
+// byte offset of 16-byte piece p (0..15) of pair row r inside a stage's activations
+__device__ __forceinline__ u32 act_smem(int r, int p) {
+#if WGMMA  // K-major, 128-byte swizzle: two atoms of [BM rows][128 bytes] (pieces 0-7, 8-15), chunk ^ (row & 7)
+    return (u32)((p >> 3) * BM * 128 + r * 128 + (((p & 7) ^ (r & 7)) << 4));
+#else      // row-major, 16-byte pieces swizzled by the row (conflict-free ldmatrix)
+    return (u32)(r * 256 + ((p ^ (r & 7)) << 4));
+#endif
+}
+
+template <int Q>
+__device__ __forceinline__ void mainloop(const long long* prow, const u16* x, const float* xs, int n_table, int K,
+                                         int row_tile, int n_out, unsigned char* smem, const int* slot_unit,
+                                         float (*acc)[8][4]) {
+    constexpr int NP_HI = Q < 4 ? Q : 4;
+    constexpr int NP_LO = Q > 4 ? Q - 4 : 0;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int wr = warp & 3, wn = warp >> 2;
+    const int chunks = K / CHUNK, ngroups = K / G;
+    const u32 smem_base = smem_u32(smem);
+
+    // --- this thread's copies: piece (tid & 15) of slot rows (tid >> 4) + r NTHREADS / 16 (r = 0..7): each warp
+    // instruction reads two whole 256-byte rows (coalesced), and writes them without bank conflicts
+    const int a_piece = tid & 15;
+    u32 a_off[8];     // element offset of the row's piece in x (the host checks that it fits 32 bits)
+    u32 a_bytes = 0;  // bit r: row r is a real pair
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+        const int u = slot_unit[(tid >> 4) + r * (NTHREADS / 16)];
+        a_off[r] = (u >= 0 ? (u32)u * (u32)K : 0u) + (u32)(a_piece * 8);
+        if (u >= 0) a_bytes |= 1u << r;
+    }
+    // ... plane piece of shared row (tid & 127), planes (tid >> 7) + NTHREADS / 128 * i
+    const int p_row = tid & 127;
+    int grow;
+    {
+        const int T = p_row >> 4, rr = p_row & 15;
+#if MODE == 0
+        const int n = 64 * row_tile + 8 * T + (rr & 7);
+        grow = rr < 8 ? n : n_out + n;
+#else
+        grow = BROWS * row_tile + p_row;
+#endif
+    }
+    const long long p_off = (long long)grow * (K >> 3);
+    // ... and the group sum of slot row tid (tid < BM)
+    const int s_unit = tid < BM ? slot_unit[tid] : -1;
+    const float* s_src = xs + (s_unit >= 0 ? (long long)s_unit * ngroups : 0);
+
+    auto issue = [&](int c) {
+        if (c < chunks) {
+            const u32 base = smem_base + (u32)((c % STAGES) * STAGE_BYTES);
+#pragma unroll
+            for (int r = 0; r < 8; ++r)
+                cp_async16(base + act_smem((tid >> 4) + r * (NTHREADS / 16), a_piece), x + a_off[r] + c * CHUNK,
+                           (a_bytes >> r) & 1 ? 16u : 0u);
+#pragma unroll
+            for (int i = 0; i < (Q * 128 + NTHREADS - 1) / NTHREADS; ++i) {
+                const int p = (tid >> 7) + (NTHREADS / 128) * i;
+                if (p < Q)
+                    cp_async16(base + ACT_STAGE + p * PL_STAGE + p_row * 16,
+                               (const unsigned char*)prow[2 + p] + p_off + (long long)c * 16, 16u);
+            }
+            if (tid < BM) cp_async4(base + SUM_OFF + tid * 4, s_src + (c * CHUNK) / G, s_unit >= 0 ? 4u : 0u);
+        }
+        cp_async_commit();
+    };
+
+    // (scale, offset) of this lane's rows: tile a, rows g (0) and g + 8 (1)
+    const u16* table = (const u16*)prow[1];
+    const u16* tab[2][2];
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#if MODE == 0
+            const int n = 64 * row_tile + 8 * TILE(wr, a) + g;
+            const int gr = h == 0 ? n : n_out + n;
+#else
+            const int gr = BROWS * row_tile + 16 * TILE(wr, a) + 8 * h + g;
+#endif
+            tab[a][h] = table + (long long)gr * ngroups;
+        }
+    const long long toff = (long long)n_table * ngroups;
+    u16 raw[2][2][2];
+    auto load_raw = [&](int grp) {
+#pragma unroll
+        for (int a = 0; a < 2; ++a)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int gg = grp < ngroups ? grp : ngroups - 1;
+                raw[a][h][0] = __ldg(tab[a][h] + gg);
+                raw[a][h][1] = __ldg(tab[a][h] + toff + gg);
+            }
+    };
+    RowCoef rc[2][2];
+
+    // ldmatrix addresses: planes (lane >> 4: +1 plane, (lane >> 3) & 1: row half), activations (matrix
+    // lane >> 3: (lane >> 3) & 1 -> piece e0 / e0 + 1, lane >> 4 -> pairs 0-7 / 8-15 of a 16-pair group)
+    const int lr = lane & 7;
+    const u32 pl_addr0 = (u32)(ACT_STAGE + (lane >> 4) * PL_STAGE + (((lane >> 3) & 1) * 8 + lr) * 16);
+    const u32 pl_addr_odd = (u32)(ACT_STAGE + (Q - 1) * PL_STAGE + (((lane >> 3) & 1) * 8 + lr) * 16);
+#if !WGMMA
+    const int b_row0 = 64 * wn + ((lane >> 4) & 1) * 8 + lr;  // + 16 nt2
+    const int b_pbit = (lane >> 3) & 1;
+#endif
+
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) issue(st);
+    load_raw(0);
+
+    for (int c = 0; c < chunks; ++c) {
+#if WGMMA
+        wg_wait<0>();  // the previous chunk's MMAs read the slot this iteration refills
+#endif
+        if (c % (G / CHUNK) == 0) {  // a new group: this lane's row coefficients, then the next group's loads
+#pragma unroll
+            for (int a = 0; a < 2; ++a)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) rc[a][h] = make_row_coef<Q>(raw[a][h][0], raw[a][h][1]);
+            load_raw(c / (G / CHUNK) + 1);
+        }
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        issue(c + STAGES - 1);  // into the slot of chunk c - 1, which every thread has finished
+        const u32 sb = smem_base + (u32)((c % STAGES) * STAGE_BYTES);
+
+        // codes of this lane's rows: [tile][row g / g + 8][word j]
+        u32 hi[2][2][4], lo[2][2][4];
+#pragma unroll
+        for (int a = 0; a < 2; ++a) {
+            u32 wa[Q], wb[Q];
+#pragma unroll
+            for (int pp = 0; pp < Q / 2; ++pp)
+                ldsm_x4(sb + pl_addr0 + 2 * pp * PL_STAGE + TILE(wr, a) * 256, wa[2 * pp], wb[2 * pp], wa[2 * pp + 1],
+                        wb[2 * pp + 1]);
+            if (Q & 1) ldsm_x2(sb + pl_addr_odd + TILE(wr, a) * 256, wa[Q - 1], wb[Q - 1]);
+            codes_of<NP_HI>(wa, hi[a][0]);
+            codes_of<NP_HI>(wb, hi[a][1]);
+            if constexpr (NP_LO > 0) {
+                codes_of<NP_LO>(wa + 4, lo[a][0]);
+                codes_of<NP_LO>(wb + 4, lo[a][1]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+            for (int e0 = 0; e0 < 4; e0 += 2) {
+                u32 af[2][4];
+#pragma unroll
+                for (int a = 0; a < 2; ++a) {
+                    af[a][0] = weight_pair<Q>(hi[a][0][j], NP_LO > 0 ? lo[a][0][j] : 0u, e0, rc[a][0]);
+                    af[a][1] = weight_pair<Q>(hi[a][1][j], NP_LO > 0 ? lo[a][1][j] : 0u, e0, rc[a][1]);
+                    af[a][2] = weight_pair<Q>(hi[a][0][j], NP_LO > 0 ? lo[a][0][j] : 0u, e0 + 1, rc[a][0]);
+                    af[a][3] = weight_pair<Q>(hi[a][1][j], NP_LO > 0 ? lo[a][1][j] : 0u, e0 + 1, rc[a][1]);
+                }
+#if WGMMA
+                // pieces (j, e0), (j, e0 + 1) of this warpgroup's 64 pairs: 32 bytes into the atom's rows (the
+                // hardware applies the swizzle to the address), 8-row groups 1024 bytes apart
+                const int p0 = 4 * j + e0;
+                const u64 desc = wg_desc(sb + (u32)((p0 >> 3) * BM * 128 + 64 * wn * 128 + (p0 & 7) * 16), 16, 1024);
+                wg_fence();
+                wgmma_m64n64k16(acc[0], af[0], desc);
+                wgmma_m64n64k16(acc[1], af[1], desc);
+                wg_commit();
+                wg_wait<1>();  // the A registers of the step before are free again
+#else
+                u32 bf[8][2];
+#pragma unroll
+                for (int nt2 = 0; nt2 < 4; ++nt2) {
+                    const int row = b_row0 + 16 * nt2;
+                    const int piece = 4 * j + e0 + b_pbit;
+                    ldsm_x4(sb + act_smem(row, piece), bf[2 * nt2][0], bf[2 * nt2][1],
+                            bf[2 * nt2 + 1][0], bf[2 * nt2 + 1][1]);
+                }
+#pragma unroll
+                for (int a = 0; a < 2; ++a)
+#pragma unroll
+                    for (int nt = 0; nt < 8; ++nt) mma16816(acc[a][nt], af[a], bf[nt][0], bf[nt][1]);
+#endif
+            }
+        }
+        if ((c + 1) % (G / CHUNK) == 0) {  // the group's offsets: y += z S
+#if WGMMA
+            wg_wait<0>();
+#endif
+            const float* S = (const float*)(smem + (c % STAGES) * STAGE_BYTES + SUM_OFF);
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) {
+                const float2 sv = *(const float2*)(S + 64 * wn + 8 * nt + 2 * t);
+#pragma unroll
+                for (int a = 0; a < 2; ++a) {
+                    acc[a][nt][0] = fmaf(rc[a][0].z, sv.x, acc[a][nt][0]);
+                    acc[a][nt][1] = fmaf(rc[a][0].z, sv.y, acc[a][nt][1]);
+                    acc[a][nt][2] = fmaf(rc[a][1].z, sv.x, acc[a][nt][2]);
+                    acc[a][nt][3] = fmaf(rc[a][1].z, sv.y, acc[a][nt][3]);
+                }
+            }
+        }
+    }
+#if WGMMA
+    wg_wait<0>();
+#endif
+    cp_async_wait<0>();
+}
+
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
+    const u16* x, const float* xs, const long long* page_table, const float* topk_weights, const int* sorted_ids,
+    const int* expert_ids, const int* post_pad, u16* act_out, float* xs_out, float* acc_out, int num_pairs,
+    int topk, int n_out, int n_table, int K, int apply_w_in, int num_experts, int pt_stride, int g_out,
+    int xunit_per_pair) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    // the stages start 1024-byte aligned (128-byte swizzle atoms); the host adds 1024 bytes for this
+    unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+    __shared__ int slot_pair[BM];  // pair of each slot, -1 for padding
+    __shared__ int slot_unit[BM];  // activation row of each slot, -1 for padding
+    // row tiles fastest: the blocks in flight share a few token blocks' activations (L2-resident) and stream
+    // the expert's planes, which the token blocks of one expert then find in L2 in turn
+    const int row_tile = blockIdx.x, tb = blockIdx.y;
+    if (tb * BM >= post_pad[0]) return;
+    const int expert = expert_ids[tb];
+    if (expert < 0 || expert >= num_experts) return;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int wr = warp & 3, wn = warp >> 2;
+    if (tid < BM) {
+        const int p = sorted_ids[tb * BM + tid];
+        const bool ok = p < num_pairs;
+        slot_pair[tid] = ok ? p : -1;
+#if MODE == 0
+        slot_unit[tid] = ok ? (xunit_per_pair ? p : p / topk) : -1;
+#else
+        slot_unit[tid] = ok ? p : -1;
+#endif
+    }
+    __syncthreads();
+
+    float acc[2][8][4];
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) acc[a][nt][0] = acc[a][nt][1] = acc[a][nt][2] = acc[a][nt][3] = 0.f;
+
+    const long long* prow = page_table + (long long)expert * pt_stride;
+    const int q = (int)prow[0];
+#ifdef ONLY_Q  // one bitwidth only (instruction counts of one body; tests and benchmarks never set it)
+#define CASE_Q(Q, CALL) \
+    case Q:             \
+        if (Q == ONLY_Q) CALL(Q); break;
+#else
+#define CASE_Q(Q, CALL) \
+    case Q:             \
+        if (Q <= PMAX) CALL(Q); break;
+#endif
+#define CALL_MAIN(Q) mainloop<(Q <= PMAX ? Q : 1)>(prow, x, xs, n_table, K, row_tile, n_out, smem, slot_unit, acc)
+    Q_SWITCH(q, CALL_MAIN)
+#undef CALL_MAIN
+#undef CASE_Q
+
+#if MODE == 0
+    // act = silu(gate) * up for (n, pair) into a [BM][64] tile in shared memory (the pipeline is drained) ...
+    __syncthreads();
+    u16* tile = (u16*)smem;
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float gte = acc[a][nt][h], up = acc[a][nt][2 + h];
+                const int slot = 64 * wn + 8 * nt + 2 * t + h;
+                tile[slot * 64 + 8 * TILE(wr, a) + g] = f2ct(gte / (1.f + __expf(-gte)) * up);
+            }
+    __syncthreads();
+    // ... then out in w2's order: slot row, 8-byte part (4 values) of piece (j, e) at half (n0 / 64) & 1
+    const int n0 = 64 * row_tile;
+    const int half = (n0 >> 6) & 1;
+    for (int idx = tid; idx < BM * 16; idx += NTHREADS) {
+        const int slot = idx >> 4, piece = idx & 15;
+        const int j = piece >> 2, e = piece & 3;
+        u16 v[4];
+        float part = 0.f;
+#pragma unroll
+        for (int tt = 0; tt < 2; ++tt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                v[2 * tt + h] = tile[slot * 64 + 32 * tt + 4 * (e + 4 * h) + j];
+                part += ct2f(v[2 * tt + h]);
+            }
+#pragma unroll
+        for (int d = 8; d > 0; d >>= 1) part += __shfl_xor_sync(0xffffffffu, part, d);
+        const int p = slot_pair[slot];
+        if (p >= 0) {
+            uint2 pk;
+            pk.x = (u32)v[0] | ((u32)v[1] << 16);
+            pk.y = (u32)v[2] | ((u32)v[3] << 16);
+            *(uint2*)(act_out + (long long)p * n_out + (n0 >> 7) * CHUNK + piece * 8 + 4 * half) = pk;
+            if (piece == 0) atomicAdd(xs_out + (long long)p * (n_out / g_out) + n0 / g_out, part);
+        }
+    }
+    (void)acc_out; (void)topk_weights; (void)apply_w_in;
+#else
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int n = BROWS * row_tile + 16 * TILE(wr, a) + g + (c >= 2 ? 8 : 0);
+                const int p = slot_pair[64 * wn + 8 * nt + 2 * t + (c & 1)];
+                if (p < 0) continue;
+                const float v = apply_w_in ? acc[a][nt][c] : acc[a][nt][c] * topk_weights[p];
+                atomicAdd(acc_out + (long long)(p / topk) * n_out + n, v);
+            }
+    (void)act_out; (void)xs_out; (void)g_out; (void)xunit_per_pair;
+#endif
+}
+
+// ---------------------------------------------------------------- w13's input in the permuted chunk order
+// Block = one unit (src_mode 0: token row; 1: pair, x[pair / topk] * w[pair]): every input rounded to the compute
+// type in the permuted order, and its group sums (of the rounded values). Also zeroes zero[0 .. zero_len).
+
+extern "C" __global__ void __launch_bounds__(256) ap_grouped_prep(const void* x, int ld, const float* topk_weights,
+                                                                  u16* xp, float* xs, int topk, int K, int src_mode,
+                                                                  float* zero, int zero_len) {
+    __shared__ float sums[256];
+    const long long nthreads = (long long)gridDim.x * 256;
+    for (long long i = (long long)blockIdx.x * 256 + threadIdx.x; i < zero_len; i += nthreads) zero[i] = 0.f;
+    const int unit = blockIdx.x, ngroups = K / G;
+    const long long row = src_mode == 0 ? unit : unit / topk;
+    const float wgt = src_mode == 0 ? 1.f : topk_weights[unit];
+    for (int i = threadIdx.x; i < ngroups; i += 256) sums[i] = 0.f;
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < K / 8; idx += 256) {
+        const int c = idx >> 4, piece = idx & 15;
+        const int j = piece >> 2, e = piece & 3;
+        u32 pk[4];
+        float part = 0.f;
+#pragma unroll
+        for (int pos = 0; pos < 8; pos += 2) {
+            u16 hv[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int k = c * CHUNK + 32 * (pos >> 1) + 4 * (e + 4 * h) + j;
+                hv[h] = f2ct(load_x(x, row, ld, k) * wgt);
+                part += ct2f(hv[h]);
+            }
+            pk[pos >> 1] = (u32)hv[0] | ((u32)hv[1] << 16);
+        }
+        *(uint4*)(xp + (long long)unit * K + idx * 8) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+        atomicAdd(&sums[(c * CHUNK) / G], part);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < ngroups; i += 256) xs[(long long)unit * ngroups + i] = sums[i];
+}

@@ -1,0 +1,261 @@
+"""The CUDA grouped kernel (cuda_grouped.py): prefill-size MoE over ubcq planes, decoded in the GEMM's mainloop.
+
+CPU (CI): every variant compiles with NVRTC for sm_90; an exact emulation of what each lane hands mma.sync (the
+ldmatrix word transposition, the bit transposition, the code pairs, the permuted activation order of the prep
+kernel and of w13's epilogue, the packed c * A weights and the z * S offsets) for every bitwidth; the dispatch
+rule, configs and refusals.
+CUDA: against the torch reference with every bitwidth mixed in one launch, three activation dtypes, the router
+weight on the input, padding slots, an expert with no tokens, one expert taking every token, expert id -1, group
+256, both block widths and every pipeline depth, Qwen3-30B-A3B's intermediate size, and page-table rows rewritten
+between CUDA-graph replays.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedweight.kernels import ap_fused_moe, ap_linear
+from pagedweight.kernels.config import prefer_grouped
+from pagedweight.kernels.cuda_grouped import (
+    CHUNK,
+    GroupedConfig,
+    ap_fused_moe_grouped,
+    compile_to_cubin,
+    default_grouped_config,
+    gemm_arch,
+    gemm_defines,
+    grouped_moe_unsupported,
+    grouped_unsupported,
+    prep_defines,
+)
+from pagedweight.kernels.reference import ap_fused_moe_reference
+from pagedweight.kernels.testing import random_ap_projection
+from tests.support.cuda_kernel_cases import check_graph_replay, rel_err, routing, tol
+from tests.test_kernel_fold import _codes_of
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the grouped kernel is CUDA only")
+
+
+# ---------------------------------------------------------------- CPU: build, fragment order, algebra, configs
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+def test_every_variant_compiles_for_sm90(mode):
+    for wn in (1, 2):
+        for bits_max, group, compute, stages in ((8, 128, 0, 3), (4, 256, 1, 4), (3, 128, 0, 2)):
+            for wgmma in (True, False):
+                cfg = GroupedConfig(wn=wn, stages=stages, wgmma=wgmma)
+                cubin = compile_to_cubin(gemm_defines(mode, cfg, bits_max, group, compute), gemm_arch(cfg, "90"))
+                assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
+    if mode == 0:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            assert compile_to_cubin(prep_defines(128, 0, dtype), "90", name="ap_grouped_prep")[:4] == b"\x7fELF"
+
+
+def _perm(k: int) -> int:
+    """Position of input k (inside its chunk of 128) in the prep kernel's order: piece (j, e), element 2 t + h."""
+    t, i, j = k >> 5, (k >> 2) & 7, k & 3
+    e, h = i & 3, i >> 2
+    return (4 * j + e) * 8 + 2 * t + h
+
+
+def test_activation_orders_agree():
+    """The prep order is a permutation of each chunk, and w13's epilogue (64 outputs per block, the block's half of
+    a chunk) writes every output exactly where the prep order puts that input of w2."""
+    assert sorted(_perm(k) for k in range(CHUNK)) == list(range(CHUNK))
+    for half in (0, 1):
+        for piece in range(16):
+            j, e = piece >> 2, piece & 3
+            for tt in range(2):
+                for h in range(2):
+                    n_local = 32 * tt + 4 * (e + 4 * h) + j
+                    assert piece * 8 + 4 * half + 2 * tt + h == _perm(64 * half + n_local)
+
+
+def _bf16(v: float) -> float:
+    return torch.tensor(v, dtype=torch.float64).to(torch.bfloat16).double().item()
+
+
+def _coef(s: float, o: float, q: int) -> tuple[float, float, float, float]:
+    """cuda_grouped_gemm.cu make_row_coef (bf16): (A rounded, C rounded, the fp32 offset factor, K0)."""
+    a = 2 * s * 2.0 ** (q - 4 if q <= 4 else q - 8)
+    k0 = (2**q - 1) * 2.0 ** (3 - q if q <= 4 else 7 - q)  # the middle of the nibble / byte code range
+    ar = _bf16(a)
+    k = 128 + k0 if q <= 4 else k0
+    c = _bf16(-k * ar)
+    eps = c + k * ar
+    return ar, c, (o - s * (2**q - 1)) + k0 * a - eps, k0
+
+
+def _weight(code: int, q: int, ar: float, c: float) -> float:
+    """The packed weight the kernel builds from one nibble (q <= 4) or byte (q > 4) code: one rounding."""
+    return _bf16((128 + code) * ar + c) if q <= 4 else _bf16(code * ar + c)
+
+
+@pytest.mark.parametrize("q", range(1, 9))
+def test_lanes_feed_mma_the_dot_product(q):
+    """One chunk (one group), 16 rows, 8 pairs, emulated lane by lane: the code words ldmatrix gives lane t, the
+    code pairs it builds and their centred packed weights fma(BIAS + c, A, C), the B fragments ldmatrix reads from
+    the prep order, mma.sync's slot semantics, then y += (z + K0 A - eps) S. Equal (float64) to the dot product
+    of the same per-weight values in input order, and within bf16 rounding of the exact W = 2 s c + z even for
+    all-positive activations (large S, where an uncentred weight loses the offset)."""
+    g = torch.Generator().manual_seed(q)
+    codes = torch.randint(0, 2**q, (16, CHUNK), generator=g)
+    s = (torch.rand(16, generator=g, dtype=torch.float64) + 0.5) * 2.0 ** -(q - 1)
+    o = torch.randn(16, generator=g, dtype=torch.float64) * 0.1
+    for x in (torch.randn(8, CHUNK, generator=g, dtype=torch.float64),
+              torch.rand(8, CHUNK, generator=g, dtype=torch.float64) * 1e4):
+        xp = torch.zeros(8, CHUNK, dtype=torch.float64)
+        for k in range(CHUNK):
+            xp[:, _perm(k)] = x[:, k]
+        coef = [_coef(float(s[r]), float(o[r]), q) for r in range(16)]
+        acc = torch.zeros(16, 8, dtype=torch.float64)
+        for t in range(4):
+            # ldmatrix: lane t's word of each plane row = inputs 32 t .. 32 t + 31 of the chunk
+            words = [[sum(((int(codes[r, 32 * t + b]) >> (q - 1 - p)) & 1) << b for b in range(32)) for p in range(q)]
+                     for r in range(16)]
+            hi = [_codes_of(words[r][:4], min(q, 4)) for r in range(16)]
+            lo = [_codes_of(words[r][4:], q - 4) if q > 4 else [0] * 4 for r in range(16)]
+            for j in range(4):
+                for e0 in (0, 2):
+                    a = torch.zeros(16, 16, dtype=torch.float64)
+                    b = torch.zeros(16, 8, dtype=torch.float64)
+                    for r in range(16):
+                        for slot, e in ((2 * t, e0), (2 * t + 8, e0 + 1)):
+                            for half in range(2):
+                                nib = e + 4 * half
+                                ch, cl = (hi[r][j] >> (4 * nib)) & 0xF, (lo[r][j] >> (4 * nib)) & 0xF
+                                code = ch if q <= 4 else 16 * ch + cl
+                                a[r, slot + half] = _weight(code, q, coef[r][0], coef[r][1])
+                    for col in range(8):  # B: pieces (j, e0), (j, e0 + 1) of pair row col, elements 2 t, 2 t + 1
+                        for slot, piece in ((2 * t, 4 * j + e0), (2 * t + 8, 4 * j + e0 + 1)):
+                            b[slot, col] = xp[col, piece * 8 + 2 * t]
+                            b[slot + 1, col] = xp[col, piece * 8 + 2 * t + 1]
+                    acc += a @ b
+        zc = torch.tensor([cf[2] for cf in coef], dtype=torch.float64)
+        y = acc + zc[:, None] * x.sum(dim=1)[None, :]
+        shift = 4 - q if q <= 4 else 8 - q  # nibble / byte code = c << shift
+        w_kernel = torch.tensor([[_weight(int(codes[r, k]) << shift, q, coef[r][0], coef[r][1])
+                                  for k in range(CHUNK)] for r in range(16)], dtype=torch.float64)
+        torch.testing.assert_close(y, w_kernel @ x.t() + zc[:, None] * x.sum(dim=1)[None, :], rtol=1e-12, atol=1e-9)
+        exact = (2 * s[:, None] * codes.double() + (o - s * (2**q - 1))[:, None]) @ x.t()
+        err = float((y - exact).norm() / exact.norm())
+        assert err < 1e-2, err  # (uncentred, all-positive activations: 2-20 %)
+
+
+def test_dispatch_rule():
+    """From 16 to 256 pairs per expected expert hit (the fold, MMA and LUT rules are asked first; beyond it the
+    dequantize-then-GEMM path)."""
+    assert prefer_grouped(256, 2, 8) and prefer_grouped(2048, 8, 128) and prefer_grouped(512, 4, 60)
+    assert not prefer_grouped(16, 2, 8) and not prefer_grouped(64, 8, 128) and not prefer_grouped(1, 8, 128)
+    assert not prefer_grouped(2048, 2, 8) and not prefer_grouped(8192, 8, 128)
+
+
+def test_configs_and_refusals():
+    assert default_grouped_config(2048, 2, 8).block_m == 128 and default_grouped_config(256, 8, 128).block_m == 64
+    assert GroupedConfig(wn=2, stages=3).shared_bytes(8) == 3 * 49 * 1024 + 1024  # 48.5 KB stages, 1 KB aligned
+    with pytest.raises(ValueError, match="wn"):
+        GroupedConfig(wn=3)
+    with pytest.raises(ValueError, match="stages"):
+        GroupedConfig(stages=5)
+    with pytest.raises(ValueError, match="sm_90"):
+        gemm_arch(GroupedConfig(), "80")
+    assert gemm_arch(GroupedConfig(wgmma=False), "80") == "80"
+    w13 = random_ap_projection(4, 2 * 384, 256, [4] * 4, table_kind="ubcq", bits_min=4).weights
+    w2 = random_ap_projection(4, 256, 384, [4] * 4, table_kind="ubcq", bits_min=4).weights
+    assert "CUDA" in grouped_unsupported(w13)
+    bcq = random_ap_projection(1, 64, 256, [4], table_kind="bcq", bits_min=4).weights
+    g64 = random_ap_projection(1, 64, 256, [4], table_kind="ubcq", group_size=64, bits_min=4).weights
+    assert "ubcq" in grouped_unsupported(bcq) and "multiple of 128" in grouped_unsupported(g64)
+    assert "CUDA" in grouped_moe_unsupported(w13, w2)
+    x = torch.randn(3, 256)
+    tw, ids = torch.rand(3, 2), torch.randint(0, 4, (3, 2))
+    with pytest.raises(ValueError, match="not on a CUDA device"):
+        ap_fused_moe(x, tw, ids, w13, w2, kernel="grouped")
+    with pytest.raises(ValueError, match="MoE layer"):
+        ap_linear(x, w13, kernel="grouped")
+
+
+# ---------------------------------------------------------------- CUDA: correctness
+
+
+def _layer(num_experts, hidden, inter, bits13, bits2, seed=0, group=128):
+    p13 = random_ap_projection(num_experts, 2 * inter, hidden, bits13, table_kind="ubcq", group_size=group,
+                               bits_min=1, seed=seed, device="cuda")
+    p2 = random_ap_projection(num_experts, hidden, inter, bits2, table_kind="ubcq", group_size=group, bits_min=1,
+                              seed=seed + 1, device="cuda")
+    return p13, p2
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "num_experts,topk,m,pattern",
+    [(8, 2, 64, "random"), (8, 2, 300, "random"), (8, 1, 200, "one_expert"), (16, 8, 97, "one_expert"),
+     (60, 4, 130, "random"), (4, 1, 257, "all_one")],
+)
+def test_moe_matches_reference(num_experts, topk, m, pattern):
+    hidden, inter = 640, 384  # w13: five chunks of K; w2: three (a partial pipeline at 4 stages)
+    bits13 = [1 + (e % 8) for e in range(num_experts)]  # every bitwidth 1..8, mixed in one launch
+    bits2 = [1 + ((e + 3) % 8) for e in range(num_experts)]
+    p13, p2 = _layer(num_experts, hidden, inter, bits13, bits2, seed=num_experts + m)
+    if pattern == "all_one":  # one expert takes every token, the others none
+        tw, ids = routing(m, num_experts, topk, "random", seed=m)
+        ids.fill_(1)
+    else:
+        tw, ids = routing(m, num_experts, topk, pattern, seed=m)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randn(m, hidden, device="cuda").to(dtype)
+        for apply_w_in in (False, True):
+            ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights,
+                                         apply_router_weight_on_input=apply_w_in)
+            out = ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel="grouped",
+                               apply_router_weight_on_input=apply_w_in)
+            assert out.dtype == dtype and out.shape == (m, hidden)
+            assert rel_err(out, ref) < tol(dtype), (dtype, apply_w_in)
+    x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+    ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
+    for cfg in (GroupedConfig(1, 2), GroupedConfig(2, 3), GroupedConfig(2, 4), GroupedConfig(1, 3, wgmma=False),
+                GroupedConfig(2, 2, wgmma=False)):
+        out = ap_fused_moe_grouped(x, tw, ids, p13.weights, p2.weights, config=cfg)
+        assert rel_err(out, ref) < 2e-2, cfg
+
+
+@needs_cuda
+@pytest.mark.parametrize("group,inter", [(128, 768), (256, 1536)])
+def test_moe_group_sizes_and_real_intermediate(group, inter):
+    p13, p2 = _layer(8, 1024, inter, [4, 3, 5, 2, 8, 6, 7, 1], [2, 4, 6, 8, 1, 3, 5, 7], group=group)
+    for m in (200, 1000):
+        tw, ids = routing(m, 8, 2, "random", seed=group + m)
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
+        assert rel_err(ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel="grouped"), ref) < 2e-2
+
+
+@needs_cuda
+def test_moe_large_activations_and_uniform_bits():
+    """Activations far beyond fp16's range (bf16 keeps them), all positive (large group sums: the z S term), 4 bits."""
+    p13, p2 = _layer(8, 512, 256, [4] * 8, [4] * 8, seed=3)
+    tw, ids = routing(150, 8, 2, "random", seed=5)
+    x = (torch.rand(150, 512, device="cuda") * 1e5).to(torch.bfloat16)
+    ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
+    assert rel_err(ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel="grouped"), ref) < 2e-2
+
+
+@needs_cuda
+def test_moe_skips_non_local_experts():
+    p13, p2 = _layer(8, 256, 256, [4] * 8, [5] * 8, seed=1)
+    tw, ids = routing(100, 8, 2, "random", seed=1)
+    ids[::3, 1] = -1
+    x = torch.randn(100, 256, device="cuda", dtype=torch.bfloat16)
+    ref = ap_fused_moe_reference(x.float(), torch.where(ids < 0, 0.0, tw), ids.clamp(min=0), p13.weights, p2.weights)
+    for cfg in (GroupedConfig(1), GroupedConfig(2, wgmma=False)):
+        assert rel_err(ap_fused_moe_grouped(x, tw, ids, p13.weights, p2.weights, config=cfg), ref) < 2e-2, cfg
+
+
+@needs_cuda
+def test_moe_graph_replay_follows_rewritten_page_table():
+    p13, p2 = _layer(8, 256, 256, [8] * 8, [8] * 8)
+    check_graph_replay(p13, p2, m=120, topk=2, kernel="grouped",
+                       bit_mixes=([8] * 8, [3] * 8, [2, 5, 8, 3, 4, 6, 7, 1]))
