@@ -14,6 +14,10 @@
 #   bash benchmark/gpu_session.sh decode    # fold kernel GPU tests, then SGLang's bf16 / FP8 block128 / Marlin W4A16 /
 #                                           # W8A16 MoE (sglang_moe_anchors.py, copied into .carry/bench and carried) and
 #                                           # benchmark/decode_bench.py beside them, M 1..64 (issue #18's headline keys)
+#   bash benchmark/gpu_session.sh grouped   # prefill: grouped-kernel GPU tests, SGLang's bf16 / FP8 block128 MoE at
+#                                           # M 256..8192 (sglang_moe_anchors.py, carried in .carry/bench) and
+#                                           # benchmark/prefill_bench.py beside them (GROUPED_PARTS="tests anchors bench",
+#                                           # PB_MODELS, PB_MS, PB_CASES; tests and bench need no devicekit)
 #   bash benchmark/gpu_session.sh lutk      # CUDA LUT kernel: GPU tests + linear and MoE decode timings (no devicekit)
 #   bash benchmark/gpu_session.sh linear    # dense AP linear tests + benchmark/linear_bench.py (no devicekit needed)
 #   bash benchmark/gpu_session.sh serve     # server smoke test + bench_one_batch stock bf16 vs AP 4-bit experts vs
@@ -29,7 +33,7 @@ set -uo pipefail
 stage="${1:-kernels}"
 OUT="${OUT:-out/gpu}"; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/site . >/tmp/pw_install.log 2>&1 \
+python3 -m pip install -q --upgrade --no-deps --no-index --no-build-isolation --target /tmp/site . >/tmp/pw_install.log 2>&1 \
   || { cat /tmp/pw_install.log; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 
 
@@ -61,6 +65,25 @@ if [ "$stage" = decode ]; then
     --reps 40 2>&1 | tail -100
   timeout 420 python3 benchmark/decode_bench.py --anchors-json "$OUT/anchors.json" --out "$OUT/decode.json" \
     --ms "${KB_MS:-1,4,16,64}" --reps 30 --time-budget-s 360 2>&1 | tail -120
+fi
+
+if [ "$stage" = grouped ]; then
+  parts=" ${GROUPED_PARTS:-tests anchors bench} "
+  ms="${PB_MS:-256,512,2048,8192}"
+  if [[ "$parts" == *" tests "* ]]; then
+    timeout "${GROUPED_TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_kernel_grouped.py \
+      tests/test_kernel_moe.py 2>&1 | tail -15 | tee "$OUT/gpu_tests_grouped.txt"
+  fi
+  if [[ "$parts" == *" anchors "* ]]; then
+    timeout 330 python3 "${ANCHORS:-.carry/bench/sglang_moe_anchors.py}" --out "$OUT/anchors_prefill.json" --ms "$ms" \
+      --formats bf16,fp8_block128 --reps 20 2>&1 | tail -60
+  fi
+  if [[ "$parts" == *" bench "* ]]; then
+    anchors=(); [ -f "$OUT/anchors_prefill.json" ] && anchors=(--anchors-json "$OUT/anchors_prefill.json")
+    timeout "${PB_TIMEOUT:-420}" python3 benchmark/prefill_bench.py "${anchors[@]}" --out "$OUT/prefill.json" --ms "$ms" \
+      --models "${PB_MODELS:-qwen15moe,mixtral,qwen3moe,qwen15moe_tp2,mixtral_tp2,qwen3moe_tp2}" \
+      --cases "${PB_CASES:-u4,u8,mix4}" --compare "${PB_COMPARE:-tiles}" --time-budget-s "${PB_BUDGET:-360}" 2>&1 | tail -120
+  fi
 fi
 
 if [ "$stage" = mma ]; then

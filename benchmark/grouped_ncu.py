@@ -1,0 +1,41 @@
+#!/usr/bin/env python3
+"""One eager grouped-kernel MoE call on a real shape, for `ncu` (no graphs, no flush).
+
+    ncu --kernel-name ap_grouped_gemm --launch-skip 2 --launch-count 2 --section SpeedOfLight ... \
+        python3 benchmark/grouped_ncu.py --model mixtral --m 2048 [--wn 2 --stages 3 --wgmma 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from pagedweight.kernels.cuda_grouped import GroupedConfig, ap_fused_moe_grouped, default_grouped_config
+from pagedweight.kernels.testing import random_ap_projection
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_bench import GROUP, MODELS, make_routing  # noqa: E402
+
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("--model", default="mixtral")
+ap.add_argument("--m", type=int, default=2048)
+ap.add_argument("--bits", type=int, default=4)
+ap.add_argument("--wn", type=int, default=0, help="0: the default config")
+ap.add_argument("--stages", type=int, default=3)
+ap.add_argument("--wgmma", type=int, default=1)
+args = ap.parse_args()
+m = MODELS[args.model]
+E, topk, H, I = m["E"], m["topk"], m["H"], m["I"]
+dev = torch.device("cuda")
+w13 = random_ap_projection(E, 2 * I, H, [args.bits] * E, table_kind="ubcq", group_size=GROUP, seed=1, device=dev).weights
+w2 = random_ap_projection(E, H, I, [args.bits] * E, table_kind="ubcq", group_size=GROUP, seed=2, device=dev).weights
+x = torch.randn((args.m, H), device=dev, dtype=torch.bfloat16)
+tw, ids = make_routing(args.m, E, topk, m["renormalize"], args.m, dev)
+cfg = default_grouped_config(args.m, topk, E) if args.wn == 0 else GroupedConfig(args.wn, args.stages, bool(args.wgmma))
+for _ in range(2):  # the first call compiles; ncu skips it with --launch-skip 2
+    ap_fused_moe_grouped(x, tw, ids, w13, w2, config=cfg)
+torch.cuda.synchronize()
+print("config", cfg)
