@@ -9,11 +9,13 @@ greedy answer after the round trip equals the one before it (same committed bitw
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 
 import pytest
 import requests
 
+from pagedweight.metrics import GAUGES
 from tests.support.server import launch_server, wait_healthy
 
 pytestmark = pytest.mark.e2e
@@ -158,10 +160,13 @@ def test_held_plan_restarts_identically_from_a_bits_map(paging_server, ap_qwen2_
 
 
 def test_prometheus_gauges(paging_server):
+    """Every PagedWeight gauge, and every metric the Grafana dashboard (docs/grafana/) queries, is on /metrics."""
+    from tests.test_grafana_dashboard import DASHBOARD, dashboard_metrics
+
     text = requests.get(paging_server.url + "/metrics", timeout=60).text
-    for name in ("sglang:pagedweight_weight_bytes", "sglang:pagedweight_transitions_total",
-                 "sglang:pagedweight_mean_committed_bits", "sglang:pagedweight_kv_capacity_tokens"):
-        assert name in text, f"{name} missing from /metrics"
+    exported = {line.split("{")[0].split()[0] for line in text.splitlines() if line and not line.startswith("#")}
+    for name in ["sglang:pagedweight_" + k for k in GAUGES] + sorted(dashboard_metrics(json.loads(DASHBOARD.read_text()))):
+        assert name in exported, f"{name} missing from /metrics"
     mean_bits = [float(l.split()[-1]) for l in text.splitlines() if l.startswith("sglang:pagedweight_mean_committed_bits")]
     assert mean_bits and 2.0 <= mean_bits[0] <= 8.0
 

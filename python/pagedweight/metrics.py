@@ -12,6 +12,17 @@ from typing import Any
 
 # Gauges are refreshed at most this often (the values come from host-side bookkeeping: cheap, but not free).
 REFRESH_S = 0.5
+METRIC_PREFIX = "sglang:pagedweight_"
+# gauge key (the metric is METRIC_PREFIX + key, label tp_rank) -> its help text; docs/grafana/ charts every one
+GAUGES = {
+    "weight_bytes": "Expert plane and table bytes resident on the device",
+    "weight_desired_bytes": "Expert bytes the current plans ask for",
+    "kv_capacity_tokens": "Token slots the KV cache may use now",
+    "mean_committed_bits": "Mean committed bitwidth over expert blocks",
+    "transitions_total": "Bitwidth transitions committed since start (offloads + reloads)",
+    "queued_blocks": "Blocks whose desired bitwidth differs from the committed one",
+    "budget_free_bytes": "Bytes of the PagedWeight budget not held by weights or the KV cache",
+}
 
 
 @dataclass
@@ -23,18 +34,9 @@ class PagedWeightMetrics:
     def __post_init__(self) -> None:
         from prometheus_client import Gauge
 
-        specs = {
-            "weight_bytes": "Expert plane and table bytes resident on the device",
-            "weight_desired_bytes": "Expert bytes the current plans ask for",
-            "kv_capacity_tokens": "Token slots the KV cache may use now",
-            "mean_committed_bits": "Mean committed bitwidth over expert blocks",
-            "transitions_total": "Bitwidth transitions committed since start (offloads + reloads)",
-            "queued_blocks": "Blocks whose desired bitwidth differs from the committed one",
-            "budget_free_bytes": "Bytes of the PagedWeight budget not held by weights or the KV cache",
-        }
-        for key, doc in specs.items():
+        for key, doc in GAUGES.items():
             self._gauges[key] = Gauge(
-                name=f"sglang:pagedweight_{key}",
+                name=METRIC_PREFIX + key,
                 documentation=doc,
                 labelnames=["tp_rank"],
                 multiprocess_mode="mostrecent",
