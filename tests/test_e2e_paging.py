@@ -171,6 +171,21 @@ def test_prometheus_gauges(paging_server):
     assert mean_bits and 2.0 <= mean_bits[0] <= 8.0
 
 
+def test_top_renders_the_servers_state(paging_server, capsys):
+    """`pagedweight top --once` against the CPU server: its heat map is the state's blocks (lowest bitwidth over
+    the projections of each expert, per layer), its byte lines the state's."""
+    from pagedweight.cli import main
+    from pagedweight.top import heat_map
+
+    before = _state(paging_server.url)
+    assert main(["top", "--url", paging_server.url, "--once"]) == 0
+    frame = capsys.readouterr().out.rstrip()
+    after = _state(paging_server.url)  # the frame's state lies between the two reads
+    assert any(frame.endswith("\n".join(heat_map(st["blocks"]))) for st in (before, after)), frame
+    assert f"policy {before['policy']}" in frame and "KV cache capacity" in frame
+    assert len(heat_map(before["blocks"])) == len({b[0] for b in before["blocks"]})  # one row per layer
+
+
 def test_quality_policy_with_calibration_serves_a_burst(ap_qwen2_moe, tiny_qwen2_moe, server_env, cpu_server_flags,
                                                          work_dir, tmp_path):
     """`--paged-weight-policy auto` picks the quality policy when the AP checkpoint has a calibration file; its

@@ -18,11 +18,13 @@ COMMAND_MODULES: tuple[str, ...] = (
     "pagedweight.convert",  # convert
     "pagedweight.calibrate",  # calibrate
     "pagedweight.moefy.cli",  # moefy
+    "pagedweight.top",  # top
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedweight", description="PagedWeight for SGLang: offline tools")
+    parser = argparse.ArgumentParser(prog="pagedweight", description="PagedWeight for SGLang: offline tools and a "
+                                     "live view of a server")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).register_cli(subparsers)
