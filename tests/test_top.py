@@ -53,6 +53,10 @@ def test_render_reports_bytes_rates_pressure_and_pager():
     assert "3b:1 4b:1 8b:14" in frame
     assert frame.endswith("L0   8488\nL1   8838")
     assert "(-)" in render(Sample(_state(), at=1.0))  # no rate from one sample
+    small = _state()
+    small.update(weights_resident_bytes=5 * 2**20, weights_desired_bytes=3 * 2**10, weights_bytes_at_floor=512)
+    frame = render(Sample(small, at=1.0))
+    assert "resident    5.00 MiB  desired    3.00 KiB  at floor     512 B" in frame
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -48,8 +48,12 @@ def fetch_state(url: str, rank: int = 0, timeout: float = 10.0) -> dict:
     return state
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:7.2f} GiB"
+def _size(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (a tiny test model and an H200 alike)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:7.2f} {unit}"
+    return f"{int(n):7d} B"
 
 
 def heat_map(blocks: list, colour: bool = False, width: int = 120) -> list[str]:
@@ -96,17 +100,17 @@ def render(now: Sample, before: Optional[Sample] = None, colour: bool = False, w
     lines = [
         f"PagedWeight  policy {st.get('policy', '?')}  iteration {st.get('iteration', '?')}"
         f"{'  reloads held' if st.get('reloads_held') else ''}",
-        f"weights  resident {_gib(st.get('weights_resident_bytes', 0))}  desired {_gib(st.get('weights_desired_bytes', 0))}"
-        f"  at floor {_gib(st.get('weights_bytes_at_floor', 0))}",
-        f"budget   total {_gib(budget.get('total', 0))}  "
-        + "  ".join(f"{k} {_gib(v)}" for k, v in sorted(used.items()))
-        + f"  free {_gib(budget.get('free', 0))}",
+        f"weights  resident {_size(st.get('weights_resident_bytes', 0))}  desired {_size(st.get('weights_desired_bytes', 0))}"
+        f"  at floor {_size(st.get('weights_bytes_at_floor', 0))}",
+        f"budget   total {_size(budget.get('total', 0))}  "
+        + "  ".join(f"{k} {_size(v)}" for k, v in sorted(used.items()))
+        + f"  free {_size(budget.get('free', 0))}",
         f"KV cache capacity {kv_state.get('capacity_tokens', '?')} tokens (max {kv_state.get('max_tokens', '?')}, "
-        f"min {kv_state.get('min_tokens', '?')})  mapped {_gib(kv_state.get('mapped_bytes', 0))}",
+        f"min {kv_state.get('min_tokens', '?')})  mapped {_size(kv_state.get('mapped_bytes', 0))}",
         f"pressure waiting {kv.get('waiting_blocks', '?')} of {kv.get('capacity_blocks', '?')} KV blocks; offload "
         f"below {kv.get('offload_below_blocks', '?')} free, reload above {kv.get('reload_above_blocks', '?')}; signals "
         f"offload {kv.get('offload_signals', 0)} relax {kv.get('relax_signals', 0)}",
-        f"pager    queued {st.get('queued_blocks', 0)} blocks  in flight {_gib(st.get('inflight_bytes', 0))}  "
+        f"pager    queued {st.get('queued_blocks', 0)} blocks  in flight {_size(st.get('inflight_bytes', 0))}  "
         f"ops {' '.join(f'{k}:{v}' for k, v in st.get('ops', {}).items())}",
         f"transitions {transitions} ({rate})  offloads {counters.get('offloads_committed', 0)}  reloads "
         f"{counters.get('reloads_committed', 0)}",
