@@ -41,6 +41,16 @@ def aligned_sizes(num_pairs: int, num_experts: int, block_size: int) -> tuple[in
     return max_blocks * block_size, max_blocks
 
 
+def alignment_buffers(num_pairs: int, num_experts: int, block_size: int, device
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """Uninitialised (sorted_ids, expert_ids, num_tokens_post_padded, max_padded, max_blocks) for one kernel's
+    alignment (the Triton and CUDA versions fill them)."""
+    max_padded, max_blocks = aligned_sizes(num_pairs, num_experts, block_size)
+    return (torch.empty(max_padded, dtype=torch.int32, device=device),
+            torch.empty(max_blocks, dtype=torch.int32, device=device),
+            torch.empty(1, dtype=torch.int32, device=device), max_padded, max_blocks)
+
+
 def moe_align_block_size_torch(topk_ids: torch.Tensor, block_size: int, num_experts: int) -> MoEAlignment:
     """Reference / CPU version, plain torch ops with static shapes (also runs on CUDA)."""
     if block_size <= 0:

@@ -29,7 +29,7 @@ def compile_to_cubin(compute_capability: str) -> bytes:
 
 def moe_align_block_size_cuda(topk_ids: torch.Tensor, block_size: int, num_experts: int
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from pagedweight.kernels.align import aligned_sizes
+    from pagedweight.kernels.align import alignment_buffers
 
     if not 1 <= num_experts <= MAX_EXPERTS:
         raise ValueError(f"the CUDA alignment takes 1..{MAX_EXPERTS} experts, got {num_experts}")
@@ -37,13 +37,10 @@ def moe_align_block_size_cuda(topk_ids: torch.Tensor, block_size: int, num_exper
         raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     flat = topk_ids.reshape(-1).contiguous()
     num_pairs = flat.numel()
-    max_padded, max_blocks = aligned_sizes(num_pairs, num_experts, block_size)
-    dev = flat.device
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    post_pad = torch.empty(1, dtype=torch.int32, device=dev)
+    sorted_ids, expert_ids, post_pad, max_padded, max_blocks = alignment_buffers(num_pairs, num_experts, block_size,
+                                                                                 flat.device)
     smem = shared_bytes(num_experts)
-    kernel = cached_kernel(_SOURCE, "ap_moe_align", (), dev.index or 0, smem)
+    kernel = cached_kernel(_SOURCE, "ap_moe_align", (), flat.device.index or 0, smem)
     kernel(grid=(1, 1, 1), block=(1024, 1, 1), shared_mem=smem,
            args=[flat, int(flat.dtype == torch.int64), sorted_ids, expert_ids, post_pad, num_pairs, num_experts,
                  block_size, max_padded, max_blocks])

@@ -104,6 +104,17 @@ __device__ __forceinline__ void codes_of(const u32* planes, u32* out) {
 // the mma operand (BIAS + c_e, BIAS + c_{e+4}) of nibbles e and e + 4 of v
 __device__ __forceinline__ u32 code_pair(u32 v, int e) { return lop3_and_or(v >> (4 * e), 0x000F000Fu, MAGIC); }
 
+// Q_SWITCH(q, CALL): CALL(Q) for the runtime bitwidth q, each Q <= PMAX a compiled body (ONLY_Q: one bitwidth
+// only, for the instruction count of one body; tests and benchmarks never set it)
+#ifdef ONLY_Q
+#define CASE_Q(Q, CALL) \
+    case Q:             \
+        if (Q == ONLY_Q) CALL(Q); break;
+#else
+#define CASE_Q(Q, CALL) \
+    case Q:             \
+        if (Q <= PMAX) CALL(Q); break;
+#endif
 #define Q_SWITCH(q, CALL) \
     switch (q) {          \
         CASE_Q(1, CALL)   \

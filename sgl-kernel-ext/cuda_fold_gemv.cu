@@ -444,19 +444,9 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
         const u16* xfu = xf + (long long)unit * chunks * UNIT_CHUNK_ELEMS;
         const float* xsu = xs + (long long)unit * (K / G) * SLOTS;
         unsigned char* ring = smem + warp * RING;
-#ifdef ONLY_Q  // one bitwidth only (instruction counts of one body; tests and benchmarks never set it)
-#define CASE_Q(Q, CALL) \
-    case Q:             \
-        if (Q == ONLY_Q) CALL(Q); break;
-#else
-#define CASE_Q(Q, CALL) \
-    case Q:             \
-        if (Q <= PMAX) CALL(Q); break;
-#endif
 #define CALL_ROWS(Q) warp_rows<(Q <= PMAX ? Q : 1)>(prow, xfu, xsu, n_table, K, ring, ra, rb, c_begin, c_end, y)
         Q_SWITCH(q, CALL_ROWS)
 #undef CALL_ROWS
-#undef CASE_Q
     }
 
 #if MODE == 0

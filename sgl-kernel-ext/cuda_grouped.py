@@ -24,14 +24,13 @@ from pathlib import Path
 import torch
 
 from pagedweight.kernels.align import moe_align_block_size
-from pagedweight.kernels.cuda_fold import compute_code
+from pagedweight.kernels.cuda_fold import _DTYPE_CODE, compute_code
 from pagedweight.kernels.nvrtc import cached_kernel, compile_cubin
 from pagedweight.kernels.weights import APMoEWeights
 
 CHUNK = 128
 ROWS_PER_BLOCK = 128  # weight rows of one block (w13: 64 gate rows and their up rows)
 _SOURCE = Path(__file__).with_name("cuda_grouped_gemm.cu")
-_DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 MODE_W13, MODE_W2 = 0, 1
 SRC_TOKEN, SRC_PAIR = 0, 1
 MAX_GROUPS = 256  # prep's shared group sums per row
@@ -164,8 +163,6 @@ def ap_fused_moe_grouped(
     act = torch.empty(num_pairs, inter, dtype=torch.int16, device=dev)
     common = [tw, align.sorted_ids, align.expert_ids, align.num_tokens_post_padded]
     for mode, w, xin, xsin, n_out in ((MODE_W13, w13, xp, xs13, inter), (MODE_W2, w2, act, xs2, H)):
-        if n_out % (ROWS_PER_BLOCK // (2 if mode == MODE_W13 else 1)):
-            raise ValueError(f"moe: the grouped kernel needs {n_out} rows in whole blocks")
         smem = cfg.shared_bytes(w.bits_max)
         defines = tuple(gemm_defines(mode, cfg, w.bits_max, w.group_size, compute))
         kernel = cached_kernel(_SOURCE, "ap_grouped_gemm", defines, dev.index or 0, smem, gemm_arch(cfg, cc))

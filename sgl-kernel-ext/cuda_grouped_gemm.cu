@@ -447,19 +447,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
 
     const long long* prow = page_table + (long long)expert * pt_stride;
     const int q = (int)prow[0];
-#ifdef ONLY_Q  // one bitwidth only (instruction counts of one body; tests and benchmarks never set it)
-#define CASE_Q(Q, CALL) \
-    case Q:             \
-        if (Q == ONLY_Q) CALL(Q); break;
-#else
-#define CASE_Q(Q, CALL) \
-    case Q:             \
-        if (Q <= PMAX) CALL(Q); break;
-#endif
 #define CALL_MAIN(Q) mainloop<(Q <= PMAX ? Q : 1)>(prow, x, xs, n_table, K, row_tile, n_out, smem, slot_unit, acc)
     Q_SWITCH(q, CALL_MAIN)
 #undef CALL_MAIN
-#undef CASE_Q
 
 #if MODE == 0
     // act = silu(gate) * up for (n, pair) into a [BM][64] tile in shared memory (the pipeline is drained) ...

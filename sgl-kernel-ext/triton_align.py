@@ -72,17 +72,12 @@ def _moe_align_kernel(
 def moe_align_block_size_triton(
     topk_ids: torch.Tensor, block_size: int, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from pagedweight.kernels.align import aligned_sizes
+    from pagedweight.kernels.align import alignment_buffers
 
-    flat = topk_ids.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    flat = topk_ids.reshape(-1).contiguous()
     num_pairs = flat.numel()
-    max_padded, max_blocks = aligned_sizes(num_pairs, num_experts, block_size)
-    dev = flat.device
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    post_pad = torch.empty(1, dtype=torch.int32, device=dev)
+    sorted_ids, expert_ids, post_pad, max_padded, max_blocks = alignment_buffers(num_pairs, num_experts, block_size,
+                                                                                 flat.device)
     e_p2 = triton.next_power_of_2(num_experts + 1)
     chunk = 64 if e_p2 <= 128 else 32
     _moe_align_kernel[(1,)](
