@@ -70,134 +70,13 @@
 #define STAGE_BYTES ((SUM_OFF + BM * 4 + 1023) / 1024 * 1024)  // 1024-byte aligned (the swizzle atoms)
 
 #include "cuda_common.cuh"
-
-#if CT == 0
-#define PK "bf16x2"
-#else
-#define PK "f16x2"
-#endif
-
-__device__ __forceinline__ u32 pfma(u32 a, u32 b, u32 c) {  // packed a * b + c, one rounding
-    u32 d;
-    asm("fma.rn." PK " %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-
-__device__ __forceinline__ u32 splat(float f) {  // both halves = f in the compute type
-    const u32 h = f2ct(f);
-    return h | (h << 16);
-}
+#include "grouped_common.cuh"
 
 __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE
                  ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {  // src_bytes 0: zero fill
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async4(u32 dst, const void* src, u32 src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-
-
-typedef unsigned long long u64;
-
-#if WGMMA
-// shared-memory matrix descriptor, 128-byte swizzle: start, leading (unused: 1) and stride (8-row groups) byte
-// offsets, each >> 4
-__device__ __forceinline__ u64 wg_desc(u32 addr, u32 lbo, u32 sbo) {
-    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
-}
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wg_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-// d[64 x 64] += A[64 x 16] (registers, the mma.m16n8k16 A fragment per warp) x B[16 x 64] (shared, K-major)
-__device__ __forceinline__ void wgmma_m64n64k16(float (*d)[4], const u32* a, u64 desc) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, 1, 0;\n"  // scale-d: accumulate
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." MMA_TYPE "." MMA_TYPE " "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n"
-        "}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-          "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
-          "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
-          "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
-}
-#endif
-
-
-struct RowCoef {  // one row's group: packed A and C (bf16: the weight is fma(BIAS + c, A, C); fp16: C = -K0), the
-                  // offset's fp32 factor
-    u32 a2, c2;
-    float z;
-};
-
-// The weights enter centred, W' = A (c - K0) (+ a known constant), K0 the middle of the code range, and the
-// group's offset z + K0 A (less that constant) is applied in fp32: no large term of W' cancels
-// against a large z S, so the rounding of A to the compute type costs 2^-9 of the result, not of the offset.
-// bf16: one fma (BIAS + c) A + C with C = round(-(BIAS + K0) A): the product and the sum are exact before the one
-// rounding; C's own rounding error eps = C + (BIAS + K0) A is exact in fp32 and moves into the offset.
-// fp16 (where (1024 + K0) A may overflow): c exactly, then c - K0 exactly, then one multiply by A.
-template <int Q>
-__device__ __forceinline__ RowCoef make_row_coef(u16 s16, u16 o16) {
-    const float s = h2f(s16), o = h2f(o16);
-    const float z = o - s * (float)((1 << Q) - 1);
-    const float a = 2.f * s * __int_as_float((127 + (Q <= 4 ? Q - 4 : Q - 8)) << 23);
-    // the middle of the code range: (2^q - 1) / 2 in nibble (q <= 4) or byte (q > 4) units
-    const float k0 = (float)((1 << Q) - 1) * __int_as_float((127 + (Q <= 4 ? 3 - Q : 7 - Q)) << 23);
-    RowCoef c;
-    c.a2 = splat(a);
-    const float ar = ct2f((u16)c.a2);  // A as the compute type holds it
-#if CT == 0
-    const float k = Q <= 4 ? 128.f + k0 : k0;  // q > 4 forms c exactly first (no BIAS left in it)
-    c.c2 = splat(-k * ar);
-    const float eps = ct2f((u16)c.c2) + k * ar;  // exact: both terms are bf16 products with few bits
-#else
-    c.c2 = splat(-k0);  // exact in fp16
-    const float eps = 0.f;
-#endif
-    c.z = z + k0 * a - eps;  // the exact A: the rounded one's error stays in the centred term
-    return c;
-}
-
-// the weight pair of the nibbles (e, e + 4): q <= 4 from one code word, q > 4 from the hi and lo words
-template <int Q>
-__device__ __forceinline__ u32 weight_pair(u32 hi, u32 lo, int e, const RowCoef& rc) {
-#if CT == 0
-    const u32 NEG_BIAS = 0xC300C300u, ONE = 0x3F803F80u, SIXTEEN = 0x41804180u, NEG_16BIAS = 0xC500C500u;
-#else
-    const u32 NEG_BIAS = 0xE400E400u, ONE = 0x3C003C00u, SIXTEEN = 0x4C004C00u, NEG_16BIAS = 0xF400F400u;
-#endif
-    const u32 NEG_ZERO = 0x80008000u;
-    if (Q <= 4) {
-#if CT == 0
-        return pfma(code_pair(hi, e), rc.a2, rc.c2);
-#else
-        return pfma(pfma(pfma(code_pair(hi, e), ONE, NEG_BIAS), ONE, rc.c2), rc.a2, NEG_ZERO);
-#endif
-    } else {
-        const u32 h16 = pfma(code_pair(hi, e), SIXTEEN, NEG_16BIAS);  // 16 hi, exact
-        const u32 lo1 = pfma(code_pair(lo, e), ONE, NEG_BIAS);        // lo, exact
-        const u32 c = pfma(h16, ONE, lo1);                            // 16 hi + lo <= 255, exact
-#if CT == 0
-        return pfma(c, rc.a2, rc.c2);
-#else
-        return pfma(pfma(c, ONE, rc.c2), rc.a2, NEG_ZERO);
-#endif
-    }
 }
 
 // ------------------------------------------------------------------------------------------------ the GEMM
@@ -407,15 +286,13 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
     cp_async_wait<0>();
 }
 
-
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
     const u16* x, const float* xs, const long long* page_table, const float* topk_weights, const int* sorted_ids,
     const int* expert_ids, const int* post_pad, u16* act_out, float* xs_out, float* acc_out, int num_pairs,
     int topk, int n_out, int n_table, int K, int apply_w_in, int num_experts, int pt_stride, int g_out,
     int xunit_per_pair) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    // the stages start 1024-byte aligned (128-byte swizzle atoms); the host adds 1024 bytes for this
-    unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+    unsigned char* smem = align_1024(smem_raw);
     __shared__ int slot_pair[BM];  // pair of each slot, -1 for padding
     __shared__ int slot_unit[BM];  // activation row of each slot, -1 for padding
     // row tiles fastest: the blocks in flight share a few token blocks' activations (L2-resident) and stream
@@ -427,16 +304,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     const int wr = warp & 3, wn = warp >> 2;
-    if (tid < BM) {
-        const int p = sorted_ids[tb * BM + tid];
-        const bool ok = p < num_pairs;
-        slot_pair[tid] = ok ? p : -1;
-#if MODE == 0
-        slot_unit[tid] = ok ? (xunit_per_pair ? p : p / topk) : -1;
-#else
-        slot_unit[tid] = ok ? p : -1;
-#endif
-    }
+    fill_slots<BM>(sorted_ids, tb, num_pairs, topk, xunit_per_pair, slot_pair, slot_unit);
     __syncthreads();
 
     float acc[2][8][4];
@@ -466,32 +334,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
                 tile[slot * 64 + 8 * TILE(wr, a) + g] = f2ct(gte / (1.f + __expf(-gte)) * up);
             }
     __syncthreads();
-    // ... then out in w2's order: slot row, 8-byte part (4 values) of piece (j, e) at half (n0 / 64) & 1
-    const int n0 = 64 * row_tile;
-    const int half = (n0 >> 6) & 1;
-    for (int idx = tid; idx < BM * 16; idx += NTHREADS) {
-        const int slot = idx >> 4, piece = idx & 15;
-        const int j = piece >> 2, e = piece & 3;
-        u16 v[4];
-        float part = 0.f;
-#pragma unroll
-        for (int tt = 0; tt < 2; ++tt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                v[2 * tt + h] = tile[slot * 64 + 32 * tt + 4 * (e + 4 * h) + j];
-                part += ct2f(v[2 * tt + h]);
-            }
-#pragma unroll
-        for (int d = 8; d > 0; d >>= 1) part += __shfl_xor_sync(0xffffffffu, part, d);
-        const int p = slot_pair[slot];
-        if (p >= 0) {
-            uint2 pk;
-            pk.x = (u32)v[0] | ((u32)v[1] << 16);
-            pk.y = (u32)v[2] | ((u32)v[3] << 16);
-            *(uint2*)(act_out + (long long)p * n_out + (n0 >> 7) * CHUNK + piece * 8 + 4 * half) = pk;
-            if (piece == 0) atomicAdd(xs_out + (long long)p * (n_out / g_out) + n0 / g_out, part);
-        }
-    }
+    // ... then out in w2's order
+    store_w2_input<BM, NTHREADS>(tile, slot_pair, act_out, xs_out, row_tile, n_out, g_out);
     (void)acc_out; (void)topk_weights; (void)apply_w_in;
 #else
 #pragma unroll

@@ -1,0 +1,199 @@
+// Device helpers of the grouped prefill GEMMs (cuda_grouped_gemm.cu, cuda_grouped_ws.cu): packed fma, cp.async,
+// Hopper warpgroup MMA, and the centred weight pairs built from ubcq codes. Pasted after cuda_common.cuh (needs CT).
+
+#if CT == 0
+#define PK "bf16x2"
+#else
+#define PK "f16x2"
+#endif
+
+__device__ __forceinline__ u32 pfma(u32 a, u32 b, u32 c) {  // packed a * b + c, one rounding
+    u32 d;
+    asm("fma.rn." PK " %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+__device__ __forceinline__ u32 splat(float f) {  // both halves = f in the compute type
+    const u32 h = f2ct(f);
+    return h | (h << 16);
+}
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {  // src_bytes 0: zero fill
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+typedef unsigned long long u64;
+
+#if WGMMA
+// shared-memory matrix descriptor, 128-byte swizzle: start, leading (unused: 1) and stride (8-row groups) byte
+// offsets, each >> 4
+__device__ __forceinline__ u64 wg_desc(u32 addr, u32 lbo, u32 sbo) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// the "+f" operands of eight accumulator fragments d[b .. b + 7][0 .. 3] (32 registers of a wgmma D)
+#define WG_ACC8(d, b)                                                                                                \
+    "+f"(d[b][0]), "+f"(d[b][1]), "+f"(d[b][2]), "+f"(d[b][3]), "+f"(d[b + 1][0]), "+f"(d[b + 1][1]),               \
+        "+f"(d[b + 1][2]), "+f"(d[b + 1][3]), "+f"(d[b + 2][0]), "+f"(d[b + 2][1]), "+f"(d[b + 2][2]),               \
+        "+f"(d[b + 2][3]), "+f"(d[b + 3][0]), "+f"(d[b + 3][1]), "+f"(d[b + 3][2]), "+f"(d[b + 3][3]),               \
+        "+f"(d[b + 4][0]), "+f"(d[b + 4][1]), "+f"(d[b + 4][2]), "+f"(d[b + 4][3]), "+f"(d[b + 5][0]),               \
+        "+f"(d[b + 5][1]), "+f"(d[b + 5][2]), "+f"(d[b + 5][3]), "+f"(d[b + 6][0]), "+f"(d[b + 6][1]),               \
+        "+f"(d[b + 6][2]), "+f"(d[b + 6][3]), "+f"(d[b + 7][0]), "+f"(d[b + 7][1]), "+f"(d[b + 7][2]),               \
+        "+f"(d[b + 7][3])
+// d[64 x 64] += A[64 x 16] (registers, the mma.m16n8k16 A fragment per warp) x B[16 x 64] (shared, K-major)
+__device__ __forceinline__ void wgmma_m64n64k16(float (*d)[4], const u32* a, u64 desc) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, 1, 0;\n"  // scale-d: accumulate
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." MMA_TYPE "." MMA_TYPE " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n"
+        "}\n"
+        : WG_ACC8(d, 0)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+// d[64 x 128] += A[64 x 16] (registers, as above) x B[16 x 128] (shared, K-major)
+__device__ __forceinline__ void wgmma_m64n128k16(float (*d)[4], const u32* a, u64 desc) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, 1, 0;\n"  // scale-d: accumulate
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." MMA_TYPE "." MMA_TYPE " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+        "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
+        "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
+        "%56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n"
+        "}\n"
+        : WG_ACC8(d, 0), WG_ACC8(d, 8)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+#endif
+
+struct RowCoef {  // one row's group: packed A and C (bf16: the weight is fma(BIAS + c, A, C); fp16: C = -K0), the
+                  // offset's fp32 factor
+    u32 a2, c2;
+    float z;
+};
+
+// The weights enter centred, W' = A (c - K0) (+ a known constant), K0 the middle of the code range, and the
+// group's offset z + K0 A (less that constant) is applied in fp32: no large term of W' cancels
+// against a large z S, so the rounding of A to the compute type costs 2^-9 of the result, not of the offset.
+// bf16: one fma (BIAS + c) A + C with C = round(-(BIAS + K0) A): the product and the sum are exact before the one
+// rounding; C's own rounding error eps = C + (BIAS + K0) A is exact in fp32 and moves into the offset.
+// fp16 (where (1024 + K0) A may overflow): c exactly, then c - K0 exactly, then one multiply by A.
+template <int Q>
+__device__ __forceinline__ RowCoef make_row_coef(u16 s16, u16 o16) {
+    const float s = h2f(s16), o = h2f(o16);
+    const float z = o - s * (float)((1 << Q) - 1);
+    const float a = 2.f * s * __int_as_float((127 + (Q <= 4 ? Q - 4 : Q - 8)) << 23);
+    // the middle of the code range: (2^q - 1) / 2 in nibble (q <= 4) or byte (q > 4) units
+    const float k0 = (float)((1 << Q) - 1) * __int_as_float((127 + (Q <= 4 ? 3 - Q : 7 - Q)) << 23);
+    RowCoef c;
+    c.a2 = splat(a);
+    const float ar = ct2f((u16)c.a2);  // A as the compute type holds it
+#if CT == 0
+    const float k = Q <= 4 ? 128.f + k0 : k0;  // q > 4 forms c exactly first (no BIAS left in it)
+    c.c2 = splat(-k * ar);
+    const float eps = ct2f((u16)c.c2) + k * ar;  // exact: both terms are bf16 products with few bits
+#else
+    c.c2 = splat(-k0);  // exact in fp16
+    const float eps = 0.f;
+#endif
+    c.z = z + k0 * a - eps;  // the exact A: the rounded one's error stays in the centred term
+    return c;
+}
+
+// the weight pair of the nibbles (e, e + 4): q <= 4 from one code word, q > 4 from the hi and lo words
+template <int Q>
+__device__ __forceinline__ u32 weight_pair(u32 hi, u32 lo, int e, const RowCoef& rc) {
+#if CT == 0
+    const u32 NEG_BIAS = 0xC300C300u, ONE = 0x3F803F80u, SIXTEEN = 0x41804180u, NEG_16BIAS = 0xC500C500u;
+#else
+    const u32 NEG_BIAS = 0xE400E400u, ONE = 0x3C003C00u, SIXTEEN = 0x4C004C00u, NEG_16BIAS = 0xF400F400u;
+#endif
+    const u32 NEG_ZERO = 0x80008000u;
+    if (Q <= 4) {
+#if CT == 0
+        return pfma(code_pair(hi, e), rc.a2, rc.c2);
+#else
+        return pfma(pfma(pfma(code_pair(hi, e), ONE, NEG_BIAS), ONE, rc.c2), rc.a2, NEG_ZERO);
+#endif
+    } else {
+        const u32 h16 = pfma(code_pair(hi, e), SIXTEEN, NEG_16BIAS);  // 16 hi, exact
+        const u32 lo1 = pfma(code_pair(lo, e), ONE, NEG_BIAS);        // lo, exact
+        const u32 c = pfma(h16, ONE, lo1);                            // 16 hi + lo <= 255, exact
+#if CT == 0
+        return pfma(c, rc.a2, rc.c2);
+#else
+        return pfma(pfma(c, ONE, rc.c2), rc.a2, NEG_ZERO);
+#endif
+    }
+}
+
+// w13's epilogue, second half: the block's [ROWS pairs][64] tile of silu(gate) * up (the compute type, in shared
+// memory) out in w2's order (slot row, 8-byte part (4 values) of piece (j, e) at half (n0 / 64) & 1 of its chunk),
+// with each part's sum added to the pair's group sum (float32 atomics); NT threads, every warp whole. Needs CHUNK.
+template <int ROWS, int NT>
+__device__ __forceinline__ void store_w2_input(const u16* tile, const int* slot_pair, u16* act_out, float* xs_out,
+                                               int row_tile, int n_out, int g_out) {
+    const int n0 = 64 * row_tile;
+    const int half = (n0 >> 6) & 1;
+    for (int idx = threadIdx.x; idx < ROWS * 16; idx += NT) {
+        const int slot = idx >> 4, piece = idx & 15;
+        const int j = piece >> 2, e = piece & 3;
+        u16 v[4];
+        float part = 0.f;
+#pragma unroll
+        for (int tt = 0; tt < 2; ++tt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                v[2 * tt + h] = tile[slot * 64 + 32 * tt + 4 * (e + 4 * h) + j];
+                part += ct2f(v[2 * tt + h]);
+            }
+#pragma unroll
+        for (int d = 8; d > 0; d >>= 1) part += __shfl_xor_sync(0xffffffffu, part, d);
+        const int p = slot_pair[slot];
+        if (p >= 0) {
+            uint2 pk;
+            pk.x = (u32)v[0] | ((u32)v[1] << 16);
+            pk.y = (u32)v[2] | ((u32)v[3] << 16);
+            *(uint2*)(act_out + (long long)p * n_out + (n0 >> 7) * CHUNK + piece * 8 + 4 * half) = pk;
+            if (piece == 0) atomicAdd(xs_out + (long long)p * (n_out / g_out) + n0 / g_out, part);
+        }
+    }
+}
+
+// the dynamic shared memory from its first 1024-byte boundary (128-byte swizzle atoms); the host adds 1024 bytes
+__device__ __forceinline__ unsigned char* align_1024(unsigned char* smem_raw) {
+    return smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+}
+
+// the pair (-1: padding) and activation row of each of token block tb's ROWS slots (threads 0 .. ROWS - 1); MODE 0
+// reads the token's row (or the pair's, when the router weight was applied on the input), MODE 1 the pair's
+template <int ROWS>
+__device__ __forceinline__ void fill_slots(const int* sorted_ids, int tb, int num_pairs, int topk, int xunit_per_pair,
+                                           int* slot_pair, int* slot_unit) {
+    const int tid = threadIdx.x;
+    if (tid < ROWS) {
+        const int p = sorted_ids[tb * ROWS + tid];
+        const bool ok = p < num_pairs;
+        slot_pair[tid] = ok ? p : -1;
+#if MODE == 0
+        slot_unit[tid] = ok ? (xunit_per_pair ? p : p / topk) : -1;
+#else
+        slot_unit[tid] = ok ? p : -1;
+        (void)topk; (void)xunit_per_pair;
+#endif
+    }
+}
