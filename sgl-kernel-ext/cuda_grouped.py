@@ -31,22 +31,32 @@ from pagedweight.kernels.weights import APMoEWeights
 CHUNK = 128
 ROWS_PER_BLOCK = 128  # weight rows of one block (w13: 64 gate rows and their up rows)
 _SOURCE = Path(__file__).with_name("cuda_grouped_gemm.cu")
+_WS_SOURCE = Path(__file__).with_name("cuda_grouped_ws.cu")
 MODE_W13, MODE_W2 = 0, 1
 SRC_TOKEN, SRC_PAIR = 0, 1
 MAX_GROUPS = 256  # prep's shared group sums per row
 
 
+SHARED_LIMIT = 227 * 1024  # dynamic shared memory of one block on sm_90
+WEIGHT_TILE_BYTES = ROWS_PER_BLOCK * CHUNK * 2  # the warp-specialized kernel's decoded 16-bit weight tile
+
+
 @dataclass(frozen=True)
 class GroupedConfig:
-    wn: int = 2  # warps along the pairs: 64 * wn pairs per block (4 * wn warps)
+    wn: int = 2  # 64 * wn pairs per block (the single-role kernel: 4 * wn warps)
     stages: int = 3  # chunks of 128 inputs in flight in shared memory
     wgmma: bool = True  # warpgroup MMA (sm_90a: Hopper) rather than mma.sync (any sm_80+ GPU)
+    # warp-specialized (cuda_grouped_ws.cu, sm_90a): a producer warpgroup loads and decodes each chunk once into
+    # shared memory while two consumer warpgroups run wgmma with both operands there
+    ws: bool = False
 
     def __post_init__(self) -> None:
         if self.wn not in (1, 2):
             raise ValueError(f"wn must be 1 or 2, got {self.wn}")
         if not 2 <= self.stages <= 4:
             raise ValueError(f"stages must be in 2..4, got {self.stages}")
+        if self.ws and not self.wgmma:
+            raise ValueError("the warp-specialized grouped kernel (ws=True) runs on wgmma: pass wgmma=True")
 
     @property
     def block_m(self) -> int:
@@ -54,12 +64,22 @@ class GroupedConfig:
 
     @property
     def threads(self) -> int:
-        return 128 * self.wn
+        return 384 if self.ws else 128 * self.wn
+
+    @property
+    def source(self) -> Path:
+        return _WS_SOURCE if self.ws else _SOURCE
+
+    @property
+    def kernel_name(self) -> str:
+        return "ap_grouped_ws_gemm" if self.ws else "ap_grouped_gemm"
 
     def shared_bytes(self, bits_max: int) -> int:
-        """Dynamic shared memory: the stages (each rounded up to 1 KB) plus 1 KB to align the first one."""
+        """Dynamic shared memory: the stages (each rounded up to 1 KB), the warp-specialized kernel's two decoded
+        weight tiles, plus 1 KB to align the first stage."""
         stage = self.block_m * 256 + bits_max * ROWS_PER_BLOCK * 16 + self.block_m * 4
-        return self.stages * (-(-stage // 1024) * 1024) + 1024
+        tiles = 2 * WEIGHT_TILE_BYTES if self.ws else 0
+        return self.stages * (-(-stage // 1024) * 1024) + tiles + 1024
 
 
 def grouped_unsupported(w: APMoEWeights) -> str | None:
@@ -93,6 +113,9 @@ def require_grouped(why: str | None) -> None:
 
 
 def gemm_defines(mode: int, cfg: GroupedConfig, bits_max: int, group_size: int, compute: int) -> list[str]:
+    if cfg.ws:
+        return [f"-DMODE={mode}", f"-DBN={cfg.block_m}", f"-DPMAX={bits_max}", f"-DG={group_size}",
+                f"-DCT={compute}", f"-DSTAGES={cfg.stages}"]
     return [f"-DMODE={mode}", f"-DWN={cfg.wn}", f"-DPMAX={bits_max}", f"-DG={group_size}", f"-DCT={compute}",
             f"-DSTAGES={cfg.stages}", f"-DWGMMA={int(cfg.wgmma)}"]
 
@@ -111,8 +134,9 @@ def prep_defines(group_size: int, compute: int, x_dtype: torch.dtype) -> list[st
     return ["-DMODE=0", f"-DG={group_size}", f"-DCT={compute}", f"-DXT={_DTYPE_CODE[x_dtype]}"]
 
 
-def compile_to_cubin(defines: list[str], compute_capability: str, name: str = "ap_grouped_gemm") -> bytes:
-    return compile_cubin(_SOURCE, name, compute_capability, defines)
+def compile_to_cubin(defines: list[str], compute_capability: str, name: str = "ap_grouped_gemm",
+                     source: Path = _SOURCE) -> bytes:
+    return compile_cubin(source, name, compute_capability, defines)
 
 
 # Pairs per expert from which blocks of 128 pairs (8 warps) replace blocks of 64 (4 warps): fewer plane
@@ -148,6 +172,10 @@ def ap_fused_moe_grouped(
         raise ValueError(f"moe: {m} tokens x top-{topk} exceed the grouped kernel's 32-bit activation offsets or its "
                          f"65535 blocks of {cfg.block_m} pairs at hidden {w13.K} / intermediate {inter}: split the "
                          "batch")
+    bits_max = max(w13.bits_max, w2.bits_max)
+    if cfg.shared_bytes(bits_max) > SHARED_LIMIT:
+        raise ValueError(f"moe: grouped kernel {cfg} needs {cfg.shared_bytes(bits_max)} bytes of shared memory at "
+                         f"{bits_max} bits, over the {SHARED_LIMIT} of one block: use fewer stages or wn=1")
     major, minor = torch.cuda.get_device_capability(dev)
     cc = f"{major}{minor}"
     align = moe_align_block_size(topk_ids, cfg.block_m, w13.num_experts)
@@ -165,7 +193,7 @@ def ap_fused_moe_grouped(
     for mode, w, xin, xsin, n_out in ((MODE_W13, w13, xp, xs13, inter), (MODE_W2, w2, act, xs2, H)):
         smem = cfg.shared_bytes(w.bits_max)
         defines = tuple(gemm_defines(mode, cfg, w.bits_max, w.group_size, compute))
-        kernel = cached_kernel(_SOURCE, "ap_grouped_gemm", defines, dev.index or 0, smem, gemm_arch(cfg, cc))
+        kernel = cached_kernel(cfg.source, cfg.kernel_name, defines, dev.index or 0, smem, gemm_arch(cfg, cc))
         rows = ROWS_PER_BLOCK // 2 if mode == MODE_W13 else ROWS_PER_BLOCK
         kernel(grid=(n_out // rows, align.max_blocks, 1), block=(cfg.threads, 1, 1), shared_mem=smem,
                args=[xin, xsin, w.page_table, *common, act, xs2, acc, num_pairs, topk, n_out, w.N, w.K,

@@ -19,6 +19,7 @@ from pagedweight.kernels import ap_fused_moe, ap_linear
 from pagedweight.kernels.config import prefer_grouped
 from pagedweight.kernels.cuda_grouped import (
     CHUNK,
+    SHARED_LIMIT,
     GroupedConfig,
     ap_fused_moe_grouped,
     compile_to_cubin,
@@ -36,6 +37,10 @@ from tests.test_kernel_fold import _codes_of
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the grouped kernel is CUDA only")
+# the warp-specialized kernel: both block widths, a two-stage pipeline (every refill waits on the consumers) and
+# four stages
+WS_MAIN = (GroupedConfig(1, 3, ws=True), GroupedConfig(2, 3, ws=True))
+WS_CONFIGS = (*WS_MAIN, GroupedConfig(2, 2, ws=True), GroupedConfig(1, 4, ws=True))
 
 
 # ---------------------------------------------------------------- CPU: build, fragment order, algebra, configs
@@ -49,6 +54,13 @@ def test_every_variant_compiles_for_sm90(mode):
                 cfg = GroupedConfig(wn=wn, stages=stages, wgmma=wgmma)
                 cubin = compile_to_cubin(gemm_defines(mode, cfg, bits_max, group, compute), gemm_arch(cfg, "90"))
                 assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
+    for wn in (1, 2):  # the warp-specialized kernel, within one block's shared memory
+        for bits_max, group, compute, stages in ((8, 128, 0, 3), (4, 256, 1, 2), (3, 128, 0, 4 - wn)):
+            cfg = GroupedConfig(wn=wn, stages=stages, ws=True)
+            assert cfg.shared_bytes(bits_max) <= SHARED_LIMIT
+            cubin = compile_to_cubin(gemm_defines(mode, cfg, bits_max, group, compute), gemm_arch(cfg, "90"),
+                                     name=cfg.kernel_name, source=cfg.source)
+            assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
     if mode == 0:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             assert compile_to_cubin(prep_defines(128, 0, dtype), "90", name="ap_grouped_prep")[:4] == b"\x7fELF"
@@ -160,6 +172,12 @@ def test_configs_and_refusals():
         GroupedConfig(wn=3)
     with pytest.raises(ValueError, match="stages"):
         GroupedConfig(stages=5)
+    with pytest.raises(ValueError, match="wgmma=True"):
+        GroupedConfig(ws=True, wgmma=False)
+    ws = GroupedConfig(wn=2, stages=3, ws=True)
+    assert ws.threads == 384 and ws.shared_bytes(8) == 3 * 49 * 1024 + 2 * 32 * 1024 + 1024  # + two weight tiles
+    assert GroupedConfig(wn=2, stages=4, ws=True).shared_bytes(8) > SHARED_LIMIT
+
     with pytest.raises(ValueError, match="sm_90"):
         gemm_arch(GroupedConfig(), "80")
     assert gemm_arch(GroupedConfig(wgmma=False), "80") == "80"
@@ -217,7 +235,7 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
     x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
     ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
     for cfg in (GroupedConfig(1, 2), GroupedConfig(2, 3), GroupedConfig(2, 4), GroupedConfig(1, 3, wgmma=False),
-                GroupedConfig(2, 2, wgmma=False)):
+                GroupedConfig(2, 2, wgmma=False), *WS_CONFIGS):
         out = ap_fused_moe_grouped(x, tw, ids, p13.weights, p2.weights, config=cfg)
         assert rel_err(out, ref) < 2e-2, cfg
 
@@ -231,6 +249,8 @@ def test_moe_group_sizes_and_real_intermediate(group, inter):
         x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
         ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
         assert rel_err(ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel="grouped"), ref) < 2e-2
+        for cfg in WS_MAIN:
+            assert rel_err(ap_fused_moe_grouped(x, tw, ids, p13.weights, p2.weights, config=cfg), ref) < 2e-2, cfg
 
 
 @needs_cuda
@@ -241,6 +261,8 @@ def test_moe_large_activations_and_uniform_bits():
     x = (torch.rand(150, 512, device="cuda") * 1e5).to(torch.bfloat16)
     ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
     assert rel_err(ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel="grouped"), ref) < 2e-2
+    for cfg in WS_MAIN:
+        assert rel_err(ap_fused_moe_grouped(x, tw, ids, p13.weights, p2.weights, config=cfg), ref) < 2e-2, cfg
 
 
 @needs_cuda
@@ -250,7 +272,7 @@ def test_moe_skips_non_local_experts():
     ids[::3, 1] = -1
     x = torch.randn(100, 256, device="cuda", dtype=torch.bfloat16)
     ref = ap_fused_moe_reference(x.float(), torch.where(ids < 0, 0.0, tw), ids.clamp(min=0), p13.weights, p2.weights)
-    for cfg in (GroupedConfig(1), GroupedConfig(2, wgmma=False)):
+    for cfg in (GroupedConfig(1), GroupedConfig(2, wgmma=False), *WS_MAIN):
         assert rel_err(ap_fused_moe_grouped(x, tw, ids, p13.weights, p2.weights, config=cfg), ref) < 2e-2, cfg
 
 
