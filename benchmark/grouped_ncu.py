@@ -2,7 +2,7 @@
 """One eager grouped-kernel MoE call on a real shape, for `ncu` (no graphs, no flush).
 
     ncu --kernel-name ap_grouped_gemm --launch-skip 2 --launch-count 2 --section SpeedOfLight ... \
-        python3 benchmark/grouped_ncu.py --model mixtral --m 2048 [--wn 2 --stages 3 --wgmma 1]
+        python3 benchmark/grouped_ncu.py --model mixtral --m 2048 [--wn 2 --stages 3 --wgmma 1 --ws 0]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ ap.add_argument("--bits", type=int, default=4)
 ap.add_argument("--wn", type=int, default=0, help="0: the default config")
 ap.add_argument("--stages", type=int, default=3)
 ap.add_argument("--wgmma", type=int, default=1)
+ap.add_argument("--ws", type=int, default=0, help="1: the warp-specialized kernel (--kernel-name ap_grouped_ws_gemm)")
 args = ap.parse_args()
 m = MODELS[args.model]
 E, topk, H, I = m["E"], m["topk"], m["H"], m["I"]
@@ -34,7 +35,8 @@ w13 = random_ap_projection(E, 2 * I, H, [args.bits] * E, table_kind="ubcq", grou
 w2 = random_ap_projection(E, H, I, [args.bits] * E, table_kind="ubcq", group_size=GROUP, seed=2, device=dev).weights
 x = torch.randn((args.m, H), device=dev, dtype=torch.bfloat16)
 tw, ids = make_routing(args.m, E, topk, m["renormalize"], args.m, dev)
-cfg = default_grouped_config(args.m, topk, E) if args.wn == 0 else GroupedConfig(args.wn, args.stages, bool(args.wgmma))
+cfg = (default_grouped_config(args.m, topk, E) if args.wn == 0
+       else GroupedConfig(args.wn, args.stages, bool(args.wgmma), bool(args.ws)))
 for _ in range(2):  # the first call compiles; ncu skips it with --launch-skip 2
     ap_fused_moe_grouped(x, tw, ids, w13, w2, config=cfg)
 torch.cuda.synchronize()

@@ -3,15 +3,16 @@
 
     python3 benchmark/grouped_sweep.py --out OUT.json [--models mixtral,qwen3moe] [--ms 256,2048] [--cases u4]
 
-Per (model, case, M): the whole ap_fused_moe_grouped call for every GroupedConfig (block width wn, pipeline
-stages, wgmma or mma.sync), timed as kernel_bench (one CUDA graph, L2 flushed per replay, median), and for
-the default config the time of each kernel of the call (torch profiler, one eager call after warm-up).
+Per (model, case, M): the whole ap_fused_moe_grouped call for every GroupedConfig of --configs (block width wn,
+pipeline stages, wgmma or mma.sync, warp-specialized or not) and, with --tiles, the dequantize-then-GEMM path
+(ap_fused_moe kernel="tiles"), timed as kernel_bench (one CUDA graph, L2 flushed per replay, median); for the
+default config and every warp-specialized one the time of each kernel of the call (torch profiler, one eager
+call after warm-up).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -19,6 +20,7 @@ import time
 
 import torch
 
+from pagedweight.kernels import ap_fused_moe
 from pagedweight.kernels.cuda_grouped import GroupedConfig, ap_fused_moe_grouped, default_grouped_config
 from pagedweight.kernels.testing import random_ap_projection
 
@@ -39,6 +41,12 @@ def kernel_times(call) -> list[tuple[str, float]]:
     return [(e.name[:40], round(e.device_time, 1)) for e in sorted(events, key=lambda e: e.time_range.start)]
 
 
+def parse_config(text: str) -> GroupedConfig:
+    """wn.stages[.mma|.ws]: mma.sync instead of wgmma, or the warp-specialized kernel."""
+    wn, stages, *kind = text.split(".")
+    return GroupedConfig(int(wn), int(stages), wgmma=kind != ["mma"], ws=kind == ["ws"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -47,12 +55,15 @@ def main() -> None:
     ap.add_argument("--cases", default="u4")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--time-budget-s", type=float, default=200.0)
+    ap.add_argument("--configs", default="1.3,1.4,2.3,2.4,2.3.mma",
+                    help="comma list of wn.stages[.mma|.ws] (e.g. 2.3.ws: 128 pairs, 3 stages, warp-specialized)")
+    ap.add_argument("--tiles", action="store_true", help="also time the dequantize-then-GEMM path")
     args = ap.parse_args()
     t0 = time.time()
     dev = torch.device("cuda")
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device=dev)
     rows = []
-    configs = [GroupedConfig(wn, st) for wn, st in itertools.product((1, 2), (3, 4))] + [GroupedConfig(2, 3, False)]
+    configs = [parse_config(c) for c in args.configs.split(",")]
     for mk in args.models.split(","):
         m = MODELS[mk]
         E, topk, H, I = m["E"], m["topk"], m["H"], m["I"]
@@ -64,20 +75,25 @@ def main() -> None:
                 x = torch.randn((M, H), device=dev, dtype=torch.bfloat16)
                 tw, ids = make_routing(M, E, topk, m["renormalize"], M, dev)
                 default = default_grouped_config(M, topk, E)
-                for cfg in configs:
+                for cfg in [*configs, *(["tiles"] if args.tiles else [])]:
                     if time.time() - t0 > args.time_budget_s:
                         break
-                    r = dict(model=mk, case=case, M=M, wn=cfg.wn, stages=cfg.stages, wgmma=cfg.wgmma,
-                             default=cfg == default)
-                    try:
+                    if cfg == "tiles":
+                        r = dict(model=mk, case=case, M=M, kernel="tiles")
+                        call = lambda: ap_fused_moe(x, tw, ids, w13, w2, kernel="tiles")  # noqa: E731
+                    else:
+                        r = dict(model=mk, case=case, M=M, wn=cfg.wn, stages=cfg.stages, wgmma=cfg.wgmma, ws=cfg.ws,
+                                 default=cfg == default)
                         call = lambda: ap_fused_moe_grouped(x, tw, ids, w13, w2, config=cfg)  # noqa: E731
+                    try:
                         r["us"] = graph_time(call, args.reps, flush)["median"]
-                        if cfg == default:
+                        if r.get("default") or r.get("ws"):
                             r["kernels"] = kernel_times(call)
                     except Exception as e:  # a config that cannot run on this shape is recorded, not fatal
                         r["error"] = f"{type(e).__name__}: {e}"[:300]
                     rows.append(r)
-                    print(f"{mk:<10} {case} M={M:<5} wn={cfg.wn} st={cfg.stages} wgmma={int(cfg.wgmma)} "
+                    name = "tiles" if cfg == "tiles" else f"wn={cfg.wn} st={cfg.stages} wgmma={int(cfg.wgmma)} ws={int(cfg.ws)}"
+                    print(f"{mk:<10} {case} M={M:<5} {name} "
                           f"{r.get('us', float('nan')):9.1f} us {r.get('error', '')} {r.get('kernels', '')}", flush=True)
                 with open(args.out, "w") as f:
                     json.dump(dict(command=" ".join(sys.argv), rows=rows), f, indent=1)
