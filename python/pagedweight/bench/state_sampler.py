@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import requests
 
@@ -81,6 +81,7 @@ class StateSampler:
 
     url: str
     interval_s: float = 1.0
+    on_sample: Optional[Callable[[StateSample], None]] = None  # called with every sample (the demo prints changes)
     samples: list[StateSample] = field(default_factory=list)
     errors: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -107,6 +108,8 @@ class StateSampler:
             else:
                 self._last_bits = s.block_bits
         self.samples.append(s)
+        if self.on_sample is not None:
+            self.on_sample(s)
         return s
 
     def _run(self) -> None:
