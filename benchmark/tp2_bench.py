@@ -160,6 +160,12 @@ def headline(results: list[dict[str, Any]]) -> dict[str, Any]:
         "oom": sum(len(r.get("oom_lines") or []) for r in results),
         "servers_died": sum(bool(r.get("server_died")) for r in results),
         "digest_mismatches": tp.get("digest_mismatches"),
+        # host time of the source rank's PagedWeight step per scheduler iteration and of its TP agreement
+        # (issue #20: the per-step tax), every rank's agreement time, and the pickled report's size
+        "step_overhead_us": _pct(pw.get("step_us_end")),
+        "agreement_us": _pct(tp.get("agreement_us")),
+        "rank_agreement_us": [_pct(h) for h in tp.get("rank_agreement_us") or []],
+        "agreement_report_bytes_max": (tp.get("report_bytes") or {}).get("max"),
         "rank_transitions": [d["transitions"] for d in ranks],
         "rank_bytes_to_kv": [d["bytes_to_kv"] for d in ranks],
         "rank_kv_capacity_max_tokens": [max(c[k] for c in caps) for k in range(len(caps[0]))] if caps else None,
@@ -185,6 +191,10 @@ def headline(results: list[dict[str, Any]]) -> dict[str, Any]:
         "decode_ratio_vs_stock": ratio,
         "decode_ratio_vs_stock_at_held_plan": ratio_map,
     }
+
+
+def _pct(hist: Optional[dict]) -> Optional[dict]:
+    return {k: hist.get(k) for k in ("p50_us", "p99_us", "mean_us", "count")} if hist else None
 
 
 def _prefix_agreement(a: Optional[list], b: Optional[list]) -> Optional[float]:

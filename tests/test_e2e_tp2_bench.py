@@ -45,6 +45,10 @@ def test_tp2_bench_two_cpu_ranks(ap_qwen2_moe_g32, tiny_qwen2_moe, server_env, c
     assert h["tp_size"] == 2 and h["oom"] == 0 and h["servers_died"] == 0
     # Both ranks did the same, at the same iterations.
     assert h["digest_mismatches"] == 0
+    # issue #20's measurement: the per-iteration step and its agreement are timed on the running servers
+    assert h["step_overhead_us"]["count"] > 0 and h["agreement_us"]["count"] > 0
+    assert 0 < h["agreement_us"]["p50_us"] <= h["step_overhead_us"]["p99_us"] * 10
+    assert len(h["rank_agreement_us"]) == 2 and h["agreement_report_bytes_max"] > 0
     r0, r1 = h["rank_transitions"]
     assert r0 == r1 > 32  # more than the initial load of the 32 blocks
     assert h["rank_bytes_to_kv"][0] == h["rank_bytes_to_kv"][1] > 0

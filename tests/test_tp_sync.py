@@ -6,7 +6,9 @@ GPUs would: they sample routing statistics differently (rank 1 sees them reverse
 completions, forward-stream fences) complete at different iterations. With the per-iteration exchange
 (rank 0's inputs plus fences agreed by every rank) both ranks commit the same bitwidths and hand the same
 bytes to the KV cache at every iteration, and their digests never differ; without the fence agreement, or
-without any exchange, they diverge (control runs) and the digest check counts it.
+without any exchange, they diverge (control runs) and the digest check counts it. The same holds for the
+quality policy, whose RoutingObserver each rank's forward feeds differently: the source rank's traffic is
+agreed.
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ def _worker(rank: int, init_file: str, mode: str, out_dir: str) -> None:
         device = torch.device("cuda", 0) if cuda else torch.device("cpu")
         runtime = PagedRuntime.build(PagedWeightConfig(enable=True, bits=8), _stores(rank, device), device)
         signal = KVPressureSignal(threshold_blocks=100, bytes_per_block=512, relax_blocks=400, relax_checks=2)
-        policy = make_policy("hotness", options={"interval_s": 0.001})
+        quality = mode.startswith("quality")
+        policy = _quality_policy() if quality else make_policy("hotness", options={"interval_s": 0.001})
         controller = PagingController(runtime.pager, policy, signal, reload_headroom_bytes=runtime.reload_headroom_bytes)
         clock = _Clock()
         if not cuda:  # on CUDA the fences are real events (VMM arena, copy stream)
@@ -111,8 +114,12 @@ def _worker(rank: int, init_file: str, mode: str, out_dir: str) -> None:
             runtime.pager.copier = _SkewedCopier(runtime.pager.copier, clock, rank)
         tp = None
         if mode != "none":
-            tp = make_tp_sync(runtime.pager, None, dist.group.WORLD, 0, rank == 0, agree_fences=mode in ("full", "cuda"))
+            agree = mode in ("full", "cuda") or quality
+            tp = make_tp_sync(runtime.pager, None, dist.group.WORLD, 0, rank == 0, agree_fences=agree)
         state = PagedWeightScheduler(runtime, controller, page_size=1, capacity_blocks=1000, tp_sync=tp)
+        if mode == "quality_local":  # control: each rank folds its own observer's traffic, as before the fix
+            state._fresh_traffic = lambda: None
+        traffic_rng = torch.Generator().manual_seed(100 + rank)
         sched = _Scheduler()
         trace = []
         for i in range(STEPS):
@@ -121,6 +128,13 @@ def _worker(rank: int, init_file: str, mode: str, out_dir: str) -> None:
             # (a few blocks must go down: which ones is the policy's choice), quiet in between.
             sched.token_to_kv_pool_allocator.free = 95 if i % 10 == 0 else 900
             state._routing_at = -1.0  # sample routing every step (rank 0's sample is what counts under sync)
+            if quality:  # each rank's MoE forward routes differently (another hot expert, other inputs)
+                state._traffic_at = -1.0
+                for layer in range(LAYERS):
+                    hot = (i // 5 + 3 * rank + layer) % EXPERTS
+                    ids = torch.tensor([[hot, (hot + 1) % EXPERTS]] * 32)
+                    policy.observer.record(layer, torch.randn(32, 8, generator=traffic_rng), ids,
+                                           torch.tensor([[0.9, 0.1]] * 32))
             if cuda:
                 # Rank 1's device runs behind (a busy kernel before each step's work), so its events complete
                 # later than rank 0's, as on a slower or busier GPU.
@@ -128,9 +142,35 @@ def _worker(rank: int, init_file: str, mode: str, out_dir: str) -> None:
             state.step(sched)
             trace.append([[r.committed_bits for r in runtime.table], runtime.pager.counters.bytes_to_kv])
         tp_state = tp.state() if tp is not None else None
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"trace": trace, "tp": tp_state}))
+        mass = policy.stats.normalized_mass().tolist() if quality else None
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"trace": trace, "tp": tp_state, "mass": mass}))
     finally:
         dist.destroy_process_group()
+
+
+def _quality_policy():
+    """The quality policy over a synthetic calibration of the random stores (bcq 2..8 bits), with its observer."""
+    import numpy as np
+
+    from pagedweight.planner.calibration import APIdentity, CalibrationData
+    from pagedweight.planner.observer import RoutingObserver
+    from pagedweight.planner.prompt_residual import PromptResidualModel
+    from pagedweight.planner.quality_policy import QualityOptions, QualityPolicy
+    from pagedweight.planner.routing_stats import BucketConfig, default_floor_stages
+    from pagedweight.planner.sensitivity import SensitivityTable
+
+    rng = np.random.default_rng(0)  # the same calibration on both ranks
+    sens = {(l, e, p): SensitivityTable({b: float((9 - b) ** 2 * rng.uniform(0.5, 1.5)) for b in range(2, 9)})
+            for l in range(LAYERS) for e in range(EXPERTS) for p in ("w13", "w2")}
+    calib = CalibrationData(
+        ap=APIdentity("bcq", 2, 8, "sha"), num_layers=LAYERS, num_experts=EXPERTS, sensitivity=sens,
+        routing_mass=np.full((LAYERS, EXPERTS), 1.0 / EXPERTS),
+        buckets=BucketConfig(1.5, 0.5, {"hot": 3.0, "warm": 1.0, "cold": 0.25}, default_floor_stages(2, 8)),
+        residual=PromptResidualModel({}, np.ones((LAYERS, EXPERTS, 3))),
+    )
+    # a short memory, so the traffic of a few iterations decides the hot / cold buckets (and so the floors)
+    options = QualityOptions(rebuild_interval_s=0.0, prior_tokens=8.0, horizon_tokens=64.0)
+    return QualityPolicy(calib, options, observer=RoutingObserver(LAYERS, EXPERTS))
 
 
 def _run(tmp_path: Path, mode: str) -> tuple[dict, dict]:
@@ -150,6 +190,31 @@ def test_exchange_keeps_ranks_identical(tmp_path):
     assert r0["trace"] == r1["trace"]
     assert r0["tp"]["digest_mismatches"] == 0 and r1["tp"]["digest_mismatches"] == 0
     assert r0["tp"]["exchanges"] == STEPS and r0["tp"]["fences_agreed"] > 0
+    # the agreement's own cost is measured: every exchange on this rank, every rank's as reported one late
+    agree = r0["tp"]["agreement_us"]
+    assert agree["count"] == STEPS and 0 < agree["p50_us"] <= agree["p99_us"] <= agree["max_us"]
+    assert [h["count"] for h in r0["tp"]["rank_agreement_us"]] == [STEPS - 1, STEPS - 1]
+    assert r1["tp"]["rank_agreement_us"] == r0["tp"]["rank_agreement_us"]  # the same reports reach both ranks
+    assert 0 < r0["tp"]["report_bytes"]["last"] <= r0["tp"]["report_bytes"]["max"] < 64 * 1024
+
+
+@pytest.mark.timeout(600)
+def test_quality_policy_agrees_on_the_source_ranks_traffic(tmp_path):
+    """The quality policy's RoutingObserver is fed by each rank's own MoE forward; here the ranks' forwards
+    route differently. The source rank's drain travels in the agreed inputs, so both ranks fold the same
+    traffic and commit the same bitwidths at every iteration."""
+    r0, r1 = _run(tmp_path, "quality")
+    assert any(any(b < 8 for b in step[0]) for step in r0["trace"]), "the dips should have lowered some bitwidths"
+    assert r0["trace"] == r1["trace"]
+    assert r0["mass"] == r1["mass"] and r0["tp"]["digest_mismatches"] == 0
+
+
+@pytest.mark.timeout(600)
+def test_quality_policy_without_agreed_traffic_sees_different_routing(tmp_path):
+    """Control: each rank folds its own observer's traffic: the routing statistics the plans rank by differ."""
+    r0, r1 = _run(tmp_path, "quality_local")
+    assert r0["mass"] != r1["mass"]
+    assert [s[0] for s in r0["trace"]] != [s[0] for s in r1["trace"]], "and so do the committed bitwidths"
 
 
 @pytest.mark.gpu

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from pagedweight.config import PagedWeightConfig
+from pagedweight.latency_histogram import LatencyHistogram
 from pagedweight.paged_runtime import PagedRuntime
 from pagedweight.runtime.controller import PagingController
 from pagedweight.runtime.planner_api import Observation, Policy, ScriptedPolicy
@@ -79,8 +80,10 @@ class PagedWeightScheduler:
     iteration: int = 0
     commits_crc: int = 0  # running CRC-32 of (block, bits) commits: compared across TP ranks
     started_s: float = field(default_factory=time.monotonic)
+    step_timing: LatencyHistogram = field(default_factory=LatencyHistogram)  # host time of each step()
     _routing: dict = field(default_factory=dict)
     _routing_at: float = -1.0
+    _traffic_at: float = -1.0
 
     @classmethod
     def attach(cls, scheduler: Any, runtime: PagedRuntime, kv: Any = None) -> "PagedWeightScheduler":
@@ -126,20 +129,31 @@ class PagedWeightScheduler:
         return cls(runtime, controller, page, capacity_blocks, stream, metrics, tp_sync, queue_aware=cfg.queue_aware)
 
     def step(self, scheduler: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._step(scheduler)
+        finally:
+            self.step_timing.add((time.perf_counter() - t0) * 1e6)
+
+    def _step(self, scheduler: Any) -> None:
         self.iteration += 1
         allocator = scheduler.token_to_kv_pool_allocator
         available = allocator.available_size() // self.page_size
         evictable = scheduler.tree_cache.evictable_size() // self.page_size
+        routing = self._fresh_routing()
         inputs = StepInputs(
             available_blocks=available,
             evictable_blocks=evictable,
             now_s=time.monotonic() - self.started_s,
-            routing=self._fresh_routing(),
+            routing=routing,
             waiting_blocks=self._waiting_blocks(scheduler, available + evictable),
             reloads_held=self.reloads_held,
+            traffic=self._fresh_traffic(),
         )
         if self.tp_sync is not None:
             inputs = self.tp_sync(inputs, self._digest(scheduler))
+        if inputs.traffic is not None:
+            self.controller.policy.take_traffic(inputs.traffic)
         self.waiting_blocks = inputs.waiting_blocks
         if inputs.routing is not None:
             self._routing = dict(inputs.routing)
@@ -204,6 +218,20 @@ class PagedWeightScheduler:
             return 0
         return lack
 
+    def _fresh_traffic(self) -> Any:
+        """TP with the quality policy: the observer's traffic since the last drain, drained on every rank on the
+        routing cadence (so no rank's recorder grows), shipped from the source rank only (None otherwise)."""
+        policy = self.controller.policy
+        if self.tp_sync is None or getattr(policy, "observer", None) is None:
+            return None
+        policy.traffic_agreed = True
+        now = time.monotonic()
+        if now - self._traffic_at < ROUTING_REFRESH_S:
+            return None
+        self._traffic_at = now
+        traffic = policy.drain_observer()
+        return traffic if self.tp_sync.is_src else None
+
     def _fresh_routing(self) -> Optional[dict]:
         """New routing statistics when due (on the source rank only under TP), else None (unchanged)."""
         if self.tp_sync is not None and not self.tp_sync.is_src:
@@ -234,6 +262,8 @@ class PagedWeightScheduler:
                 "relax_signals": sig.relax_signals,
             },
             "gpu_memory": _gpu_memory(self.forward_stream),
+            # host time of PagedWeight's per-iteration step (the TP agreement included): its overhead per step
+            "step_us": self.step_timing.state(),
             "tp": self.tp_sync.state() if self.tp_sync is not None else None,
             **self.runtime.state(include_blocks=True),
         }

@@ -5,8 +5,9 @@ ranks must commit the same bitwidths and move the same number of KV tokens at th
 iteration. Two things differ between ranks and are agreed on once per iteration, in one collective over
 the TP CPU group:
 
-- the step's inputs: a policy reads the clock and the routing statistics, which a rank samples at its own
-  moments, so the first rank's sample is used everywhere;
+- the step's inputs: a policy reads the clock and the routing statistics (the runtime's routing mass and,
+  for the quality policy, the traffic its RoutingObserver recorded), which a rank samples at its own moments
+  and from its own forward, so the first rank's sample is used everywhere;
 - fence completion: a CUDA event completes at its own moment on each rank, so a fence counts as done only
   once every rank's device has completed it (runtime/fence_ledger.py).
 
@@ -18,12 +19,15 @@ and counted in the state endpoint, which is how the two-GPU benchmark proves the
 from __future__ import annotations
 
 import logging
+import pickle
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
+from pagedweight.latency_histogram import LatencyHistogram
 from pagedweight.runtime.fence_ledger import FenceLedger
 
 logger = logging.getLogger("pagedweight")
@@ -40,6 +44,9 @@ class StepInputs:
     waiting_blocks: int = 0
     # An operator's hold on reloads (set_internal_state paged_weight_hold_reloads), as the source rank has it.
     reloads_held: bool = False
+    # The quality policy's observed traffic (routing weights, routed-input norms: planner/observer.py) drained
+    # on the source rank since its last drain; None when not due. Every rank folds this one, not its own.
+    traffic: Optional[Any] = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,10 @@ class _RankReport:
     inputs: Optional[StepInputs]  # the source rank's only
     fences_done: tuple[int, ...]
     digest: RankDigest
+    last_agreement_us: float  # how long this rank's previous exchange took (0 before the first)
+
+
+SIZE_EVERY = 64  # exchanges between two measurements of a report's pickled size
 
 
 class TpStepSync:
@@ -74,16 +85,32 @@ class TpStepSync:
         self.exchanges = 0
         self.digest_mismatches = 0
         self.last_digests: list[RankDigest] = []
+        # Time of this rank's exchange (the collective, pickling included), and of every rank's as they report
+        # it one exchange later; the pickled size of this rank's report, sampled every SIZE_EVERY exchanges.
+        self.agreement = LatencyHistogram()
+        self.rank_agreement = [LatencyHistogram() for _ in range(self.world_size)]
+        self.report_bytes_max = 0
+        self.report_bytes_last = 0
+        self._last_us = 0.0
 
     def __call__(self, local: StepInputs, digest: RankDigest) -> StepInputs:
+        t0 = time.perf_counter()
         done = self.ledger.local_done() if self.ledger is not None else ()
-        report = _RankReport(local if self.is_src else None, done, digest)
+        report = _RankReport(local if self.is_src else None, done, digest, self._last_us)
+        if self.exchanges % SIZE_EVERY == 0:
+            self.report_bytes_last = len(pickle.dumps(report))
+            self.report_bytes_max = max(self.report_bytes_max, self.report_bytes_last)
         reports: list[Any] = [None] * self.world_size
         dist.all_gather_object(reports, report, group=self.group)
         self.exchanges += 1
+        if self.exchanges > 1:
+            for hist, r in zip(self.rank_agreement, reports):
+                hist.add(r.last_agreement_us)
         if self.ledger is not None:
             self.ledger.agree([r.fences_done for r in reports])
         self._check([r.digest for r in reports])
+        self._last_us = (time.perf_counter() - t0) * 1e6
+        self.agreement.add(self._last_us)
         return next(r.inputs for r in reports if r.inputs is not None)
 
     def _check(self, digests: list[RankDigest]) -> None:
@@ -105,6 +132,11 @@ class TpStepSync:
             "fences_agreed": self.ledger.agreed if self.ledger is not None else None,
             "fences_pending": self.ledger.pending if self.ledger is not None else None,
             "ranks": [asdict(d) for d in self.last_digests],
+            "agreement_us": self.agreement.state(),
+            # every rank's exchange time as it reported it (one exchange late), and the report's pickled size:
+            # all_gather_object moves world_size of them to every rank
+            "rank_agreement_us": [h.state() for h in self.rank_agreement],
+            "report_bytes": {"last": self.report_bytes_last, "max": self.report_bytes_max, "every": SIZE_EVERY},
         }
 
 

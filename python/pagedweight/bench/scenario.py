@@ -117,6 +117,7 @@ def run_system(spec: SystemSpec, common: list[str], workload: Workload, opts: Ru
             result["elastic_kv_end"] = pw.get("elastic_kv")
             result["gpu_memory_end"] = pw.get("gpu_memory")
             result["tp_end"] = pw.get("tp")
+            result["step_us_end"] = pw.get("step_us")  # host time of PagedWeight's per-iteration step
     except Exception as e:  # noqa: BLE001 - a failed system is a result; the others still run
         result["error"] = f"{type(e).__name__}: {e}"
         print(f"[{spec.name}] FAILED: {result['error']}", flush=True)

@@ -33,7 +33,7 @@ from typing import Literal
 import numpy as np
 
 from pagedweight.planner.calibration import CalibrationData, CalibrationError
-from pagedweight.planner.observer import RoutingObserver
+from pagedweight.planner.observer import ObservedTraffic, RoutingObserver
 from pagedweight.planner.prompt_residual import normalize_features
 from pagedweight.planner.routing_stats import BlockBuckets, RoutingSnapshot, RoutingStats
 from pagedweight.runtime.planner_api import BlockView, Observation, PageTableView, Plan, PlanStep
@@ -177,6 +177,7 @@ class QualityPolicy:
                 f"({calib.num_layers}, {calib.num_experts})"
             )
         self.observer = observer
+        self.traffic_agreed = False  # TP: traffic arrives through take_traffic only (serving_loop.py)
         self.stats = RoutingStats.from_masses(calib.routing_mass, self.options.prior_tokens, self.options.horizon_tokens)
         self.routing_source: RoutingSource = "calibration"
         self._phi_norm = np.full((calib.num_layers, calib.num_experts, 3), np.nan)
@@ -192,17 +193,31 @@ class QualityPolicy:
         self.last_report: PlanReport | None = None
 
     # ---- inputs ---------------------------------------------------------------------------------
+    def drain_observer(self) -> ObservedTraffic | None:
+        """What the MoE forward recorded since the last drain (None when nothing new or not wired)."""
+        obs = self.observer
+        if obs is None or obs.records <= self._observer_records_seen:
+            return None
+        self._observer_records_seen = obs.records
+        return obs.drain()
+
+    def take_traffic(self, traffic: ObservedTraffic) -> None:
+        """Fold observed traffic into the routing EMA and take its prompt features. Under TP the serving loop
+        hands every rank the source rank's drain (agreed), and sets `traffic_agreed` so no rank folds its own."""
+        self.stats.fold(traffic.routing)
+        self._phi_norm = normalize_features(traffic.phi_raw, self.calib.residual.ref_norm)
+        self._phi_version += 1
+        self.routing_source = "observer"
+
     def _ingest(self, observation: Observation) -> None:
         """Fold new traffic into the routing EMA and take the newest prompt features."""
+        if self.traffic_agreed:  # the serving loop calls take_traffic with the agreed traffic
+            return
         obs = self.observer
         if obs is not None and obs.records > 0:  # wired into the MoE forward: the only traffic source
-            if obs.records > self._observer_records_seen:
-                self._observer_records_seen = obs.records
-                traffic = obs.drain()
-                self.stats.fold(traffic.routing)
-                self._phi_norm = normalize_features(traffic.phi_raw, self.calib.residual.ref_norm)
-                self._phi_version += 1
-                self.routing_source = "observer"
+            traffic = self.drain_observer()
+            if traffic is not None:
+                self.take_traffic(traffic)
             return
         # Not wired: routing counts from the Observation give the masses (every slot weight 1) and no
         # prompt features (eta stays 1); `routing_source` and every plan's reason say which one is used.
