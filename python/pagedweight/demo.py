@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import requests
 
 from pagedweight.bench.burst import BurstSpec, RequestOutcome, one_request
-from pagedweight.bench.scenario import paged_state, server_info, start_info
+from pagedweight.bench.scenario import paged_state, server_info, start_info, wait_reloaded
 from pagedweight.bench.state_sampler import StateSample, StateSampler
 
 # KV pressure a 6-request burst crosses on the tiny model: 700 KV tokens, offload below half free, reload above
@@ -43,6 +43,7 @@ class ChangePrinter:
 
     emit: Callable[[str], None] = print
     last: Optional[tuple] = None
+    last_mean_bits: Optional[float] = None
     offloads_seen: int = 0  # lines where the mean bitwidth went down
     reloads_seen: int = 0  # ... and up
 
@@ -50,20 +51,12 @@ class ChangePrinter:
         key = (tuple(sorted((s.histogram or {}).items())), s.token_capacity)
         if key == self.last:
             return
-        if self.last is not None and s.mean_bits is not None:
-            before = _mean(dict(self.last[0]))
-            if s.mean_bits < before:
-                self.offloads_seen += 1
-            elif s.mean_bits > before:
-                self.reloads_seen += 1
-        self.last = key
+        if self.last_mean_bits is not None and s.mean_bits is not None:
+            self.offloads_seen += s.mean_bits < self.last_mean_bits
+            self.reloads_seen += s.mean_bits > self.last_mean_bits
+        self.last, self.last_mean_bits = key, s.mean_bits
         self.emit(f"[demo] t={s.t_s:6.1f}s  bits {describe_histogram(s.histogram)}  |  KV {s.token_capacity} tokens"
                   f"  |  experts {_mib(s.weight_bytes)}  KV {_mib(s.kv_bytes)}")
-
-
-def _mean(hist: dict[str, int]) -> float:
-    n = sum(hist.values())
-    return sum(int(b) * c for b, c in hist.items()) / n if n else 0.0
 
 
 def _mib(n: Optional[int]) -> str:
@@ -90,17 +83,6 @@ def burst(url: str, spec: BurstSpec, emit: Callable[[str], None] = print, timeou
                      if o.ok else f"FAILED: {o.error}")
             emit(f"[demo] answer {len(outs)}/{spec.num_requests}: {state}")
     return outs
-
-
-def wait_for(url: str, pred: Callable[[dict], bool], timeout_s: float) -> Optional[dict]:
-    """The paged_weight state once `pred` holds, or None after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        st = paged_state(server_info(url))
-        if st and pred(st):
-            return st
-        time.sleep(0.5)
-    return None
 
 
 def server_flags(on_gpu: bool) -> list[str]:
@@ -176,15 +158,14 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] = print) -> dict:
         seen["answers"] = [o.completion_tokens for o in outs if o.ok]
         emit(f"[demo] burst done: {len(seen['answers'])}/{spec.num_requests} answered; quiet now, waiting for the "
              f"reload to {describe_histogram(initial)} ...")
-        back = wait_for(server.url, lambda st: st["committed_bits_histogram"] == initial and not st["queued_blocks"]
-                        and not any(st["ops"].values()), args.reload_timeout_s)
+        reload_s = wait_reloaded(server.url, initial, args.reload_timeout_s)
         timeline = watch.stop()
         final = paged_state(server_info(server.url))
         counters = final["counters"]
-        seen.update(reloaded=back is not None, offloads=counters["offloads_committed"],
+        seen.update(reloaded=reload_s is not None, offloads=counters["offloads_committed"],
                     reloads=counters["reloads_committed"], transitions=counters["transitions"],
                     offload_lines=printer.offloads_seen, reload_lines=printer.reloads_seen)
-        emit(f"[demo] {'reloaded' if back is not None else 'NOT reloaded within the timeout'}: "
+        emit(f"[demo] {f'reloaded after {reload_s}s' if reload_s is not None else 'NOT reloaded within the timeout'}: "
              f"{counters['offloads_committed']} block offloads and {counters['reloads_committed']} reloads committed "
              f"(the initial load counts as reloads), {counters['transitions']} transitions")
         r = requests.post(server.url + "/v1/chat/completions", json={

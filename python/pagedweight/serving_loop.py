@@ -140,12 +140,11 @@ class PagedWeightScheduler:
         allocator = scheduler.token_to_kv_pool_allocator
         available = allocator.available_size() // self.page_size
         evictable = scheduler.tree_cache.evictable_size() // self.page_size
-        routing = self._fresh_routing()
         inputs = StepInputs(
             available_blocks=available,
             evictable_blocks=evictable,
             now_s=time.monotonic() - self.started_s,
-            routing=routing,
+            routing=self._fresh_routing(),
             waiting_blocks=self._waiting_blocks(scheduler, available + evictable),
             reloads_held=self.reloads_held,
             traffic=self._fresh_traffic(),
