@@ -13,9 +13,10 @@ from typing import Any, Optional
 
 SERVER_ARGS_ATTR = "_paged_weight"
 AP_SUBDIR = "pagedweight"
-# "auto": quality when the AP checkpoint has a calibration file, else hotness. "scripted": a deterministic
-# lowest-layer-first policy (tests, mechanism experiments).
-POLICIES = ("auto", "static", "quality", "hotness", "scripted")
+# "auto": quality when the AP checkpoint has a calibration file, else uncalibrated (the quality planner over
+# the converter's weight errors, above a floor of known quality; planner/choice.py). "scripted": a
+# deterministic lowest-layer-first policy (tests, mechanism experiments).
+POLICIES = ("auto", "static", "quality", "uncalibrated", "hotness", "scripted")
 SCOPES = ("experts", "all")
 
 
@@ -33,7 +34,8 @@ class PagedWeightConfig:
     # JSON file with a committed bitwidth per block (a /get_server_info snapshot's "blocks"); overrides `bits`.
     bits_map: Optional[str] = None
     policy: str = "auto"
-    # Lowest bitwidth the policy may commit (None: the checkpoint's seed bitwidth).
+    # Lowest bitwidth the policy may commit (None: the checkpoint's seed bitwidth; the uncalibrated policy
+    # then derives its own floor from the weight errors).
     floor_bits: Optional[int] = None
     # KV pressure: offload when free KV blocks fall below low * capacity; reload once they stay above
     # high * capacity (hysteresis).
@@ -161,13 +163,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=str,
         default="auto",
         choices=POLICIES,
-        help="Bitwidth policy under KV-cache pressure (auto: quality with a calibration file, else hotness).",
+        help="Bitwidth policy under KV-cache pressure (auto: quality with a calibration file, else uncalibrated: "
+        "the quality planner over the converter's weight errors, never below a floor of known quality; the "
+        "startup log says which policy and floor are in force and why).",
     )
     group.add_argument(
         "--paged-weight-min-bits",
         type=int,
         default=None,
-        help="Lowest bitwidth a policy may commit (default: the checkpoint's seed bitwidth).",
+        help="Lowest bitwidth a policy may commit (default: the checkpoint's seed bitwidth; the uncalibrated "
+        "policy's floor is then the lowest bitwidth whose relative weight error is <= 0.05).",
     )
     group.add_argument(
         "--paged-weight-kv-low-watermark",

@@ -30,6 +30,7 @@ from pagedweight.format.checkpoint import APCheckpointWriter
 from pagedweight.format.layout import DEFAULT_TABLE_KIND, TABLE_KINDS, is_grouped
 from pagedweight.format.manifest import AP_SUBDIR, ModelInfo
 from pagedweight.format.quantize import effective_group_size, quantize_block
+from pagedweight.format.weight_errors import TensorError, WeightErrors
 
 logger = logging.getLogger(__name__)
 
@@ -370,6 +371,7 @@ def _convert_into(source: SourceModel, partial: Path, opts: ConvertOptions) -> N
     dense_parts: list[dict[str, torch.Tensor]] = []
     sse = {b: 0.0 for b in range(opts.bits_min, opts.bits_max + 1)}
     energy = 0.0
+    tensor_errors: dict[tuple[int, int, str], TensorError] = {}  # routed experts: weight_errors.json
     dense_names = source.dense if opts.dense_linears else set()
     with tqdm(total=len(source.experts) + len(dense_names), desc=f"quantize blocks ({opts.table_kind})", unit="block",
               disable=not opts.progress) as bar, _block_quantizer(opts) as quantize:
@@ -399,12 +401,16 @@ def _convert_into(source: SourceModel, partial: Path, opts: ConvertOptions) -> N
                     writer.add_dense(block_name(name), block)
                 else:
                     writer.add(block_name(name), key, block)
+                    if key.expert != SHARED:
+                        tensor_errors[(key.layer, key.expert, key.proj)] = TensorError(block_energy, dict(block.fit_sse))
                 for b, value in block.fit_sse.items():
                     sse[b] += value
                 energy += block_energy
                 bar.update(1)
             dense_parts.append(dense)
     writer.finish(progress=opts.progress)
+    # the uncalibrated policy's weight-only sensitivity and floor (format/weight_errors.py)
+    WeightErrors(opts.table_kind, opts.bits_min, opts.bits_max, tensor_errors).save(partial / AP_SUBDIR)
     if not opts.standalone_ap_dir:
         _write_dense(partial, dense_parts)
         _copy_side_files(source.model_dir, partial)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import struct
 import time
 import zlib
@@ -24,6 +25,7 @@ import torch
 from pagedweight.config import PagedWeightConfig
 from pagedweight.latency_histogram import LatencyHistogram
 from pagedweight.paged_runtime import PagedRuntime
+from pagedweight.planner.choice import PolicyChoice, choose_policy
 from pagedweight.runtime.controller import PagingController
 from pagedweight.runtime.planner_api import Observation, Policy, ScriptedPolicy
 from pagedweight.runtime.pressure import KVPressureSignal
@@ -36,23 +38,30 @@ ROUTING_REFRESH_S = 0.5
 
 
 def make_runtime_policy(cfg: PagedWeightConfig, ap_dir: Optional[str], runtime: Optional[PagedRuntime] = None) -> Policy:
-    """The policy named by --paged-weight-policy; for 'quality' also a RoutingObserver that every MoE
-    layer's forward feeds (routing weights and routed-input norms, on the device)."""
-    import os
+    """The policy named by --paged-weight-policy; see `make_runtime_policy_choice` for the reason it logs."""
+    return make_runtime_policy_choice(cfg, ap_dir, runtime)[0]
 
+
+def make_runtime_policy_choice(cfg: PagedWeightConfig, ap_dir: Optional[str],
+                               runtime: Optional[PagedRuntime] = None) -> tuple[Policy, PolicyChoice]:
+    """The policy named by --paged-weight-policy ('auto': planner/choice.py) and which floor it plans above, and
+    why; for 'quality' also a RoutingObserver that every MoE layer's forward feeds (routing weights and
+    routed-input norms, on the device)."""
     from pagedweight.planner.factory import make_policy
 
-    name = cfg.policy
-    calib = None
-    if ap_dir is not None:
-        for cand in (os.path.join(ap_dir, "calibration.json"), os.path.join(ap_dir, "pagedweight", "calibration.json")):
-            if os.path.isfile(cand):
-                calib = cand
-                break
-    if name == "auto":
-        name = "quality" if calib is not None else "hotness"
+    choice = choose_policy(cfg.policy, ap_dir)
+    name = choice.name
+    table_floor = None if runtime is None else min(row.floor_bits for row in runtime.table)
+    seed = "the checkpoint's seed" if cfg.floor_bits is None else "--paged-weight-min-bits"
     if name == "scripted":
-        return ScriptedPolicy()
+        return ScriptedPolicy(), choice.with_floor(f"{table_floor} bits ({seed})")
+    if name == "static":
+        return make_policy(name), choice.with_floor("none needed: bitwidths are fixed")
+    if name == "uncalibrated":
+        if runtime is None:
+            raise ValueError("the uncalibrated policy plans over the runtime's page table; pass the runtime")
+        policy = _uncalibrated_policy(cfg, ap_dir, runtime)
+        return policy, choice.with_floor(f"{policy.floor.bits} bits ({policy.floor.reason})")
     observer = None
     if name == "quality" and runtime is not None:
         from pagedweight.planner.observer import RoutingObserver
@@ -62,7 +71,30 @@ def make_runtime_policy(cfg: PagedWeightConfig, ap_dir: Optional[str], runtime: 
         observer = RoutingObserver(num_layers, num_experts, runtime.stores[0].w13.page_table.device)
         for store in runtime.stores:
             store.observer = observer
-    return make_policy(name, calib, observer=observer)
+    policy = make_policy(name, choice.calibration, observer=observer)
+    if name == "quality":
+        stages = " > ".join("/".join(str(v) for v in st.values()) for st in policy.calib.buckets.floor_stages)
+        floor = (f"hot/warm/cold stages {stages} bits as the pressure needs (calibration), never below "
+                 f"{table_floor} bits ({seed})")
+    else:
+        floor = f"{table_floor} bits ({seed}): cold experts go there under pressure"
+    return policy, choice.with_floor(floor)
+
+
+def _uncalibrated_policy(cfg: PagedWeightConfig, ap_dir: Optional[str], runtime: PagedRuntime):
+    from pagedweight.format.weight_errors import WEIGHT_ERRORS_FILENAME, WeightErrors
+    from pagedweight.planner.uncalibrated_policy import UncalibratedOptions, UncalibratedPolicy
+
+    rows = list(runtime.table)
+    errors = None
+    if ap_dir is not None and os.path.isfile(os.path.join(ap_dir, WEIGHT_ERRORS_FILENAME)):
+        errors = WeightErrors.load(ap_dir)
+        spec = rows[0].spec
+        errors.check_matches(spec.table_kind, spec.bits_min, spec.bits_max)
+    return UncalibratedPolicy.from_errors(
+        errors, [tuple(row.key) for row in rows], min(r.spec.bits_min for r in rows), max(r.spec.bits_max for r in rows),
+        min(r.floor_bits for r in rows), UncalibratedOptions(floor_bits=cfg.floor_bits),
+    )
 
 
 @dataclass
@@ -103,7 +135,8 @@ class PagedWeightScheduler:
         else:
             runtime.budget.add_capacity("kv", scheduler.max_total_num_tokens * bytes_per_token)
         ap_dir = None if scheduler.server_args.load_format == "dummy" else cfg.resolve_ap_dir(scheduler.server_args.model_path)
-        policy = make_runtime_policy(cfg, ap_dir, runtime)
+        policy, choice = make_runtime_policy_choice(cfg, ap_dir, runtime)
+        logger.info(choice.log_line())
         controller = PagingController(
             runtime.pager, policy, signal, kv=kv, reload_headroom_bytes=runtime.reload_headroom_bytes
         )
