@@ -93,6 +93,15 @@ def test_startup_log_reports_expert_memory(server):
     assert 0 < frac < 40.0
 
 
+def test_startup_log_names_the_policy_and_floor(server):
+    """No calibration.json: 'auto' serves the uncalibrated policy, and one line says so, with its floor and why."""
+    line = next((l for l in server.log().splitlines() if "PagedWeight: policy" in l), None)
+    assert line is not None, "no PagedWeight policy line in the server log"
+    assert "policy uncalibrated (auto: no calibration.json in" in line
+    assert re.search(r"floor [0-9] bits \(lowest bitwidth whose relative weight error", line), line
+    assert "weight_errors.json" in line
+
+
 @pytest.mark.parametrize("kind", ["kmeans", "ubcq"])
 def test_mixtral_with_other_table_kinds_serves(kind, tiny_mixtral, server_env, cpu_server_flags, work_dir):
     """The second architecture and the other table kinds through the same server path."""

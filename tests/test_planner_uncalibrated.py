@@ -101,8 +101,9 @@ def test_never_plans_below_the_floor_under_any_pressure(errors):
     table.apply(plan)
     assert {r.desired_bits for r in table} == {3}  # everything the floor allows, nothing below it
     assert "INFEASIBLE" in plan.reason
-    again = policy.plan(table, 10**6, OBS)
+    again = policy.plan(table, 10**6, Observation(now_s=5.0, routing_counts={(0, 0): 1e6}))
     assert not again.steps
+    assert policy.stats.version == 0  # traffic is not folded: it could not change a plan
 
 
 def test_blocks_that_lose_more_per_bit_keep_their_bits():

@@ -35,6 +35,7 @@ from pagedweight.planner.prompt_residual import PromptResidualModel
 from pagedweight.planner.quality_policy import QualityOptions, QualityPolicy
 from pagedweight.planner.routing_stats import BUCKETS, BucketConfig
 from pagedweight.planner.sensitivity import SensitivityTable
+from pagedweight.runtime.planner_api import Observation
 
 # Checkpoint-wide relative squared weight error the floor may reach. MoEfied SmolLM2, ubcq (group 32): 3 bits
 # is under it and 2 bits over it (weight_errors.json; docs/results/quality.md).
@@ -89,6 +90,9 @@ class UncalibratedPolicy(QualityPolicy):
         super().__init__(calib, QualityOptions(use_prompt_residual=False))
         self.floor = floor
         self.source = source
+
+    def _ingest(self, observation: Observation) -> None:
+        """Traffic changes nothing here (one bucket, no residual): never fold it, so it never rebuilds the queue."""
 
     @classmethod
     def from_errors(cls, errors: WeightErrors | None, blocks: Iterable[tuple[int, int, str]], bits_min: int,
