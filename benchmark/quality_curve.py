@@ -5,11 +5,13 @@
 One command, end to end (artifacts are reused from the cache dir when complete):
 1. `pagedweight moefy` (SmolLM2-135M-Instruct MoEfied into Mixtral), `pagedweight convert` to AP with
    both table kinds (bits 2..8), `pagedweight calibrate` on the calibration split;
-2. perplexity and KL-to-bf16 on the held-out evaluation split for bf16, uniform AP (3..6 bits, bcq and
-   kmeans), PagedWeight's quality policy (bcq) at each uniform bcq point's bytes and a few extra budgets,
-   the hotness policy at the same budgets, the ablation table at the 3-bit budget, and a workload shift;
-3. writes docs/results/quality.json (headline, curves, ablation, shift, commands, machine, date) and
-   docs/results/quality.md.
+2. perplexity and KL-to-bf16 on >= 32k held-out evaluation tokens for bf16, uniform AP (3..6 bits, every
+   table kind), PagedWeight's quality policy at each uniform point's bytes of the planned kind and a few
+   extra budgets, the uncalibrated default (what `--paged-weight-policy auto` serves without
+   calibration.json) and the hotness policy at the same budgets, the ablation table at the 3-bit budget,
+   and a workload shift;
+3. writes docs/results/quality.json (headline with window-bootstrap 95% intervals in headline_ci95, curves,
+   ablation, shift, commands, machine, date) and docs/results/quality.md.
 
 Expert weights are swapped in place in a transformers model (benchmark/quality/swap.py); each
 (table kind, tensor, bitwidth) is decoded once. Deterministic for a seed (CPU, fixed token windows,
@@ -79,20 +81,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    default=Path(os.environ.get("PAGEDWEIGHT_CACHE", Path.home() / ".cache" / "pagedweight")) / "quality")
     p.add_argument("--model-dir", type=Path, default=None, help="use this MoE HF checkpoint instead of building one")
     p.add_argument("--calib-kind", choices=("wiki", "news"), default="wiki")
-    p.add_argument("--shift-kind", choices=("wiki", "news"), default="news")
+    p.add_argument("--shift-kind", choices=("wiki", "news", "none"), default="news",
+                   help="text of the workload-shift section (none: skip it)")
     p.add_argument("--calib-tokens", type=int, default=4096, help="`pagedweight calibrate --tokens`")
     p.add_argument("--convert-calib-tokens", type=int, default=2048, help="`pagedweight convert --calib-tokens` (0: no --calib-text, uniform column weights)")
     p.add_argument("--table-kind", choices=GROUPED_KINDS, default=DEFAULT_TABLE_KIND,
                    help="the binary-coded table kind PagedWeight and hotness plan over (budgets are its uniform "
                    f"bytes; default {DEFAULT_TABLE_KIND}, the converter's); bcq and kmeans are converted too and "
                    "compared at uniform bitwidths")
+    p.add_argument("--compare-kinds", default="bcq,kmeans",
+                   help="table kinds converted and measured at uniform bitwidths beside the planned kind (comma "
+                   "list; '' for none: a bcq conversion of the MoEfied SmolLM2 takes ~40 min on 2 cores)")
     p.add_argument("--bcq-init", choices=("greedy", "uniform"), default="greedy",
                    help="`pagedweight convert --bcq-init` of the bcq checkpoint (sign planes: greedy or uniform grid)")
     p.add_argument("--stage-slack", type=float, default=None,
                    help="quality policy: use a floor stage only if it could free (1 + slack) x the target "
                    "(default: QualityOptions' default)")
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--windows", type=int, default=12, help="evaluation windows of --seq-len tokens")
+    p.add_argument("--eval-tokens", type=int, default=32768,
+                   help="predicted evaluation tokens (at least; windows of --seq-len - 1 predicted tokens)")
+    p.add_argument("--windows", type=int, default=None, help="evaluation windows of --seq-len tokens (overrides "
+                   "--eval-tokens)")
+    p.add_argument("--no-ablation", action="store_true", help="skip the ablation table (time)")
+    p.add_argument("--no-hotness", action="store_true", help="skip the hotness policy on the curve (time)")
+    p.add_argument("--resamples", type=int, default=2000, help="window-bootstrap resamples of the headline intervals")
     p.add_argument("--bits", default="3,4,5,6", help="uniform points (bits)")
     p.add_argument("--extra-bits", default="4.5,5.5,7",
                    help="extra PagedWeight budgets, as uniform-bcq-equivalent bits (bytes interpolated)")
@@ -112,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     args = parse_args(argv)
+    if args.windows is None:
+        args.windows = -(-args.eval_tokens // (args.seq_len - 1))
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     started = time.perf_counter()
@@ -121,11 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = artifacts.ensure_model(cache, log, args.model_dir, args.threads)
     calib_text = artifacts.text_file(cache, args.calib_kind)
     ap, calib = artifacts.ensure_all(cache, log, model_dir, calib_text, args.calib_kind, args.convert_calib_tokens,
-                                     args.calib_tokens, args.seed, args.bcq_init, args.table_kind)
+                                     args.calib_tokens, args.seed, args.bcq_init, args.table_kind,
+                                     tuple(k for k in args.compare_kinds.split(",") if k.strip()))
     artifacts_s = time.perf_counter() - started
 
     config = ExperimentConfig(
-        model_dir=model_dir, ap_dirs=ap, calibration=calib, calib_kind=args.calib_kind, shift_kind=args.shift_kind,
+        model_dir=model_dir, ap_dirs=ap, calibration=calib, calib_kind=args.calib_kind,
+        shift_kind=None if args.shift_kind == "none" else args.shift_kind, ablation=not args.no_ablation,
+        hotness=not args.no_hotness, resamples=args.resamples,
         calib_tokens=args.calib_tokens, seq_len=args.seq_len, windows=args.windows,
         bits=tuple(int(b) for b in args.bits.split(",")),
         extra_bits=tuple(float(b) for b in args.extra_bits.split(",") if b.strip()),
@@ -139,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         results = dict(partial)
         results = {
             "headline": results.pop("headline"),
+            "headline_ci95": results.pop("headline_ci95", {}),
             "complete": bool(results.pop("complete", False)),
             "command": command,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -154,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         return results
 
     results = write(run_experiment(config, on_section=write))
-    print(json.dumps(results["headline"], indent=1))
+    print(json.dumps({k: [v, results["headline_ci95"].get(k)] for k, v in results["headline"].items()}, indent=1))
     print(f"wrote {args.out_json} and {args.out_md}")
     return 0
 

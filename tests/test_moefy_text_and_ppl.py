@@ -39,6 +39,10 @@ def test_kl_hand_case_and_zero_to_itself():
     assert result["kl"] == pytest.approx(expected_kl, rel=1e-5)
     assert result["ppl"] == pytest.approx(2.0, rel=1e-5)  # always p = 0.5 for the observed token
     assert evaluate(reference_model, ids, reference, progress=False)["kl"] == pytest.approx(0.0, abs=1e-7)
+    per = evaluate(model, ids, reference, progress=False, per_window=True)  # what the window bootstrap resamples
+    assert per["window_nll"] == pytest.approx([4 * math.log(2.0)] * 2, rel=1e-5)
+    assert per["window_kl"] == pytest.approx([4 * expected_kl] * 2, rel=1e-5)
+    assert "window_nll" not in result
 
 
 def test_evaluate_rejects_bad_input():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmark"))
 
 from quality.experiment import ExperimentConfig, run_experiment  # noqa: E402
 from quality.planning import bytes_of, fresh_table, plan_to_budget, spike_then_relax, uniform  # noqa: E402
+from quality import bootstrap  # noqa: E402
 from quality.report import cheapest_bf16_equivalent, gap_closed, markdown  # noqa: E402
 from quality.swap import ExpertBank, runtime_blocks  # noqa: E402
 
@@ -105,6 +107,27 @@ def test_report_helpers():
     assert cheapest_bf16_equivalent(pts, 9.0, 100) == (None, None)
 
 
+def test_window_bootstrap():
+    rng = np.random.default_rng(0)
+    a = {"window_nll": list(rng.uniform(300, 400, 64)), "tokens": 64 * 100}
+    b = {"window_nll": [x + 10.0 for x in a["window_nll"]], "tokens": 64 * 100}  # 0.1 nats/token worse everywhere
+    idx = bootstrap.resample_indices(64, 500, seed=1)
+    assert idx.shape == (500, 64) and np.array_equal(idx, bootstrap.resample_indices(64, 500, seed=1))
+    lo, hi = bootstrap.interval(bootstrap.ppl_samples(a, idx))
+    point = float(np.exp(np.mean(a["window_nll"]) / 100))
+    assert lo < point < hi
+    # paired: b - a is the same on every resample up to the level of a, so its interval is narrow and > 0
+    diff = bootstrap.ppl_samples(b, idx) - bootstrap.ppl_samples(a, idx)
+    d_lo, d_hi = bootstrap.interval(diff)
+    assert 0 < d_lo <= d_hi and d_hi - d_lo < hi - lo
+    # the cheapest point within 1% of the reference, per resample
+    ref = {"window_nll": a["window_nll"], "tokens": a["tokens"]}
+    pts = [dict(a, bytes=50), dict(b, bytes=10)]
+    saving = bootstrap.saving_samples(pts, ref, 100, idx)
+    assert set(np.unique(saving)) == {0.5}  # b (+10.5% ppl) never qualifies, a always does
+    assert bootstrap.interval(np.full(10, np.nan)) is None
+
+
 def test_experiment_end_to_end(setup):
     model_dir, ap, calib = setup
     ap = {k: ap[k] for k in ("bcq", "kmeans")}
@@ -112,7 +135,19 @@ def test_experiment_end_to_end(setup):
                            calib_tokens=64, seq_len=32, windows=2, bits=(3, 4), extra_bits=(3.5,), refine=1,
                            progress=False)
     r = run_experiment(cfg)
-    assert set(r["headline"]) == {"gap_closed_vs_uniform_3bit", "memory_saving_at_bf16_equivalent"}
+    assert set(r["headline"]) >= {"gap_closed_vs_uniform_3bit", "memory_saving_at_bf16_equivalent",
+                                  "uncalibrated_default_ppl_at_25pct", "calibrated_policy_ppl_at_25pct",
+                                  "uniform_3bit_ppl_at_25pct", "uniform_4bit_ppl"}
+    assert set(r["headline_ci95"]) == set(r["headline"])  # an interval beside every headline figure
+    for key in ("uncalibrated_default_ppl_at_25pct", "uniform_3bit_ppl_at_25pct", "bf16_ppl"):
+        lo, hi = r["headline_ci95"][key]
+        assert lo <= r["headline"][key] <= hi
+    assert r["headline"]["uncalibrated_default_ppl_at_25pct"] == r["curve"][0]["uncalibrated"]["ppl"]
+    assert r["headline"]["uniform_4bit_ppl"] == r["curve"][1]["uniform_bcq"]["ppl"]
+    for row in r["curve"]:
+        assert row["uncalibrated"]["bytes"] <= row["uniform_bcq"]["bytes"]
+        assert min(int(b) for b in row["uncalibrated"]["bits_histogram"]) >= row["uncalibrated"]["floor_bits"]
+        assert len(row["uncalibrated"]["window_nll"]) == 2
     assert r["bf16"]["kl"] == pytest.approx(0.0, abs=1e-3)
     assert [row["bits"] for row in r["curve"]] == [3, 4]
     for row in r["curve"]:

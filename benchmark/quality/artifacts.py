@@ -105,8 +105,10 @@ def start_ap(cache: Path, log: ArtifactLog, model_dir: Path, kind: str, calib_te
     out = cache / f"ap-{kind}"
     manifest = out / "pagedweight" / "manifest.json"
     init = bcq_init if kind == "bcq" else "greedy"
-    # a finished conversion is reused only if it was made with the same sign-plane init
-    done = manifest.is_file() and json.loads(manifest.read_text()).get("bcq_init", "greedy") == init
+    # a finished conversion is reused only if it was made with the same sign-plane init and holds the weight
+    # errors the uncalibrated policy reads (converters before them did not write the file)
+    done = (manifest.is_file() and json.loads(manifest.read_text()).get("bcq_init", "greedy") == init
+            and (out / "pagedweight" / "weight_errors.json").is_file())
     argv = ["convert", "--model", str(model_dir), "--out", str(out), "--table-kind", kind, "--bits-min", "2",
             "--bits-max", "8", "--group-size", str(group_size_for(model_dir)),
             *(["--bcq-init", init] if init != "greedy" else []),
@@ -139,10 +141,11 @@ def calibration_current(path: Path) -> bool:
 
 def ensure_all(cache: Path, log: ArtifactLog, model_dir: Path, calib_text: Path, calib_kind: str,
                convert_tokens: int, calib_tokens: int, seed: int,
-               bcq_init: str = "greedy", main_kind: str = "bcq") -> tuple[dict[str, Path], Path]:
-    """The conversions (the planned kind `main_kind`, bcq and kmeans for comparison) at once; calibration
+               bcq_init: str = "greedy", main_kind: str = "bcq",
+               compare_kinds: tuple[str, ...] = ("bcq", "kmeans")) -> tuple[dict[str, Path], Path]:
+    """The conversions (the planned kind `main_kind`, `compare_kinds` for comparison) at once; calibration
     starts as soon as the main kind's checkpoint exists."""
-    kinds = [main_kind] + [k for k in ("bcq", "kmeans") if k != main_kind]
+    kinds = [main_kind] + [k for k in compare_kinds if k != main_kind]
     started = {k: start_ap(cache, log, model_dir, k, calib_text, convert_tokens, seed, bcq_init) for k in kinds}
     started[main_kind][1].wait()
     calib, calib_job = start_calibration(log, model_dir, started[main_kind][0], calib_text, calib_kind, calib_tokens)

@@ -15,14 +15,17 @@ import numpy as np
 import torch
 
 from pagedweight.format.checkpoint import APCheckpoint
+from pagedweight.format.weight_errors import WeightErrors
 from pagedweight.moefy import text as texts
 from pagedweight.moefy.perplexity import evaluate, reference_logits, token_windows
 from pagedweight.planner.calibration import load_for_checkpoint
 from pagedweight.planner.hotness_policy import HotnessPolicy
 from pagedweight.planner.quality_policy import QualityOptions, QualityPolicy
 from pagedweight.planner.routing_stats import BlockBuckets
+from pagedweight.planner.uncalibrated_policy import UncalibratedPolicy
 from pagedweight.runtime.planner_api import Observation
 
+from . import bootstrap
 from .planning import PlannedPoint, bytes_of, plan_to_budget, spike_then_relax, uniform
 from .report import cheapest_bf16_equivalent, gap_closed
 from .swap import ExpertBank, runtime_blocks
@@ -38,7 +41,7 @@ class ExperimentConfig:
     shift_kind: str | None = "news"
     calib_tokens: int = 8192
     seq_len: int = 512
-    windows: int = 12
+    windows: int = 65  # 65 x 511 = 33,215 predicted tokens (>= 32k: the bootstrap interval of gap closed ~ +-0.05)
     bits: tuple[int, ...] = (3, 4, 5, 6)
     extra_bits: tuple[float, ...] = (4.5, 5.5, 7.0)
     refine: int = 1
@@ -47,6 +50,9 @@ class ExperimentConfig:
     only_shift: bool = False  # measure only the workload-shift section (can run beside a main run)
     stage_slack: float | None = None  # QualityOptions.stage_slack of every quality-policy run; None: its default
     main_kind: str = "bcq"  # the table kind PagedWeight and hotness plan over; budgets are its uniform bytes
+    ablation: bool = True  # measure the ablation table at the 3-bit budget
+    hotness: bool = True  # measure the hotness policy on the curve
+    resamples: int = bootstrap.RESAMPLES  # window-bootstrap resamples of the headline intervals
 
 
 @dataclass
@@ -81,13 +87,13 @@ class Evaluator:
         body = json.dumps([self.identity, ts.kind, hashlib.sha256(ts.ids.numpy().tobytes()).hexdigest(), kind,
                            sorted([list(k), int(b)] for k, b in assignment.items())])
         key = hashlib.sha256(body.encode()).hexdigest()
-        if key in self.memo:
+        if key in self.memo and "window_nll" in self.memo[key]:
             self.reused += 1
         else:
             self.bank.apply(assignment, kind)
-            r = evaluate(self.model, ts.ids, ts.reference, progress=self.progress)
+            r = evaluate(self.model, ts.ids, ts.reference, progress=self.progress, per_window=True)
             self.evaluations += 1
-            self.memo[key] = {"ppl": r["ppl"], "kl": r["kl"], "nll": r["nll"]}
+            self.memo[key] = {k: r[k] for k in ("ppl", "kl", "nll", "tokens", "window_nll", "window_kl")}
             if self.memo_path is not None:
                 tmp = Path(f"{self.memo_path}.tmp")
                 tmp.write_text(json.dumps(self.memo))
@@ -130,7 +136,8 @@ def run_experiment(cfg: ExperimentConfig, on_section=None) -> dict:
     """All measurements; `on_section(partial_results)` is called after each section (partial results file)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out: dict = {"headline": {"gap_closed_vs_uniform_3bit": None, "memory_saving_at_bf16_equivalent": None}}
+    out: dict = {"headline": {"gap_closed_vs_uniform_3bit": None, "memory_saving_at_bf16_equivalent": None},
+                 "headline_ci95": {}}
 
     def section(**parts) -> None:
         out.update(parts)
@@ -167,6 +174,15 @@ def run_experiment(cfg: ExperimentConfig, on_section=None) -> dict:
         return QualityPolicy(calib, QualityOptions(**_slack(cfg), **options),
                              observer_from.served.observer() if observer_from is not None else None)
 
+    errors = WeightErrors.load(ckpts[main_kind].directory)
+    spec0 = planned_blocks[0][1]
+    errors.check_matches(main_kind, spec0.bits_min, spec0.bits_max)
+
+    def uncalibrated() -> UncalibratedPolicy:
+        """What `--paged-weight-policy auto` serves without calibration.json (the server's defaults)."""
+        return UncalibratedPolicy.from_errors(errors, [tuple(k) for k, _ in planned_blocks], errors.bits_min,
+                                              errors.bits_max, errors.bits_min)
+
     bf16 = _point(ev.measure(main, {}), bytes_=bf16_bytes)
     budgets = {b: bytes_of(planned_blocks, uniform(planned_blocks, b)) for b in sorted({2, *cfg.bits})}
 
@@ -181,19 +197,26 @@ def run_experiment(cfg: ExperimentConfig, on_section=None) -> dict:
         planned = plan_to_budget(quality(), planned_blocks, budgets[b])
         row["pagedweight"] = _point(ev.measure(main, planned.assignment), planned)
         pw_points.append({"bits": b, **row["pagedweight"]})
-        planned = plan_to_budget(HotnessPolicy(), planned_blocks, budgets[b], hot_obs)
-        row["hotness"] = _point(ev.measure(main, planned.assignment), planned)
+        policy = uncalibrated()
+        planned = plan_to_budget(policy, planned_blocks, budgets[b])
+        row["uncalibrated"] = _point(ev.measure(main, planned.assignment), planned, floor_bits=policy.floor.bits,
+                                     floor_reason=policy.floor.reason)
+        if cfg.hotness:
+            planned = plan_to_budget(HotnessPolicy(), planned_blocks, budgets[b], hot_obs)
+            row["hotness"] = _point(ev.measure(main, planned.assignment), planned)
         u = row[f"uniform_{main_kind}"]
-        row["pagedweight_gap_closed"] = gap_closed(u["ppl"], row["pagedweight"]["ppl"], bf16["ppl"])
-        row["hotness_gap_closed"] = gap_closed(u["ppl"], row["hotness"]["ppl"], bf16["ppl"])
+        for name in ("pagedweight", "uncalibrated", "hotness"):
+            if name in row:
+                row[f"{name}_gap_closed"] = gap_closed(u["ppl"], row[name]["ppl"], bf16["ppl"])
         curve.append(row)
         print(f"[quality] {b}-bit: uniform {main_kind} {u['ppl']:.3f}, PagedWeight {row['pagedweight']['ppl']:.3f}, "
-              f"hotness {row['hotness']['ppl']:.3f}, bf16 {bf16['ppl']:.3f}", flush=True)
+              f"uncalibrated {row['uncalibrated']['ppl']:.3f}, "
+              f"hotness {row['hotness']['ppl'] if 'hotness' in row else float('nan'):.3f}, bf16 {bf16['ppl']:.3f}",
+              flush=True)
 
     n_params = sum(spec.out_features * spec.in_features for _, spec in planned_blocks)
+    out["headline"], out["headline_ci95"] = _headline(cfg, curve, pw_points, bf16, bf16_bytes, main_kind)
     section(
-        headline={"gap_closed_vs_uniform_3bit": curve[0]["pagedweight_gap_closed"] if cfg.bits[0] == 3 else None,
-                  "memory_saving_at_bf16_equivalent": None},
         model={
             "dir": str(model_dir),
             "description": f"{hf_config.get('model_type')} with {hf_config.get('num_hidden_layers')} layers, "
@@ -206,6 +229,9 @@ def run_experiment(cfg: ExperimentConfig, on_section=None) -> dict:
             "calibration_source": calib.source,
         },
         evaluation={"text_kind": cfg.calib_kind, "seq_len": cfg.seq_len, "windows": int(main.ids.shape[0]),
+                    "intervals": f"window bootstrap, {cfg.resamples} resamples of the {int(main.ids.shape[0])} "
+                                 "windows, paired across points (benchmark/quality/bootstrap.py); headline_ci95 "
+                                 "holds the 95% interval of every headline figure",
                     "tokens": int(main.ids.shape[0] * (main.ids.shape[1] - 1)),
                     "online_traffic": "the quality policy's RoutingObserver is fed the routed inputs of the "
                                       "evaluated text from the bf16 forward (what the MoE forward records while "
@@ -237,7 +263,7 @@ def run_experiment(cfg: ExperimentConfig, on_section=None) -> dict:
         pw_at(mid)
     extra.sort(key=lambda p: p["bytes"])
     saving, best = cheapest_bf16_equivalent(pw_points, bf16["ppl"], bf16_bytes)
-    out["headline"] = dict(out["headline"], memory_saving_at_bf16_equivalent=saving)
+    out["headline"], out["headline_ci95"] = _headline(cfg, curve, pw_points, bf16, bf16_bytes, main_kind)
     section(extra_budgets=extra)
 
     # ---- ablation at the 3-bit budget ----------------------------------------------------------
@@ -251,7 +277,7 @@ def run_experiment(cfg: ExperimentConfig, on_section=None) -> dict:
         "full, spike then relax": lambda: spike_then_relax(quality(), planned_blocks, spike, b3),
         "w/o page movement (spike then relax)": lambda: spike_then_relax(quality(use_page_movement=False), planned_blocks, spike, b3),
         "full, calibration statistics only (no online traffic)": lambda: plan_to_budget(quality(None), planned_blocks, b3),
-    }
+    } if cfg.ablation else {}
     ablation_rows = {}
     full_assignment = None
     for name, make in variants.items():
@@ -263,7 +289,8 @@ def run_experiment(cfg: ExperimentConfig, on_section=None) -> dict:
     u3 = curve[0][f"uniform_{main_kind}"]["ppl"]
     for p in ablation_rows.values():
         p["gap_closed"] = gap_closed(u3, p["ppl"], bf16["ppl"])
-    section(ablation={"budget_bytes": b3, "spike_budget_bytes": spike, "rows": ablation_rows})
+    if ablation_rows:
+        section(ablation={"budget_bytes": b3, "spike_budget_bytes": spike, "rows": ablation_rows})
 
     shift = _workload_shift(cfg, model, bank, tokenizer, calib, planned_blocks, ev, bf16_bytes, b3) if cfg.shift_kind else None
 
@@ -280,6 +307,47 @@ def run_experiment(cfg: ExperimentConfig, on_section=None) -> dict:
     out["workload_shift"] = shift
     out["complete"] = True
     return out
+
+
+def _headline(cfg: ExperimentConfig, curve: list[dict], pw_points: list[dict], bf16: dict, bf16_bytes: int,
+              main_kind: str) -> tuple[dict, dict]:
+    """The headline figures and their window-bootstrap 95% intervals (bootstrap.py), from what is measured so far.
+
+    25% = the uniform 3-bit budget of the planned kind (ubcq at group 32: 3 plane bits + 1 table bit of 16).
+    """
+    by_bits = {row["bits"]: row for row in curve}
+    r3, r4 = by_bits.get(3), by_bits.get(4)
+    u = f"uniform_{main_kind}"
+    saving, _ = cheapest_bf16_equivalent(pw_points, bf16["ppl"], bf16_bytes)
+    head = {
+        "gap_closed_vs_uniform_3bit": r3["pagedweight_gap_closed"] if r3 else None,
+        "memory_saving_at_bf16_equivalent": saving,
+        "uncalibrated_default_ppl_at_25pct": r3["uncalibrated"]["ppl"] if r3 else None,
+        "calibrated_policy_ppl_at_25pct": r3["pagedweight"]["ppl"] if r3 else None,
+        "uniform_3bit_ppl_at_25pct": r3[u]["ppl"] if r3 else None,
+        "uniform_4bit_ppl": r4[u]["ppl"] if r4 else None,
+        "uncalibrated_default_ppl_at_uniform_4bit_bytes": r4["uncalibrated"]["ppl"] if r4 else None,
+        "bf16_ppl": bf16["ppl"],
+        # < 0: the uncalibrated default is better than uniform 3 bits at the same bytes (issue #24: must not be > 0)
+        "uncalibrated_minus_uniform_3bit_ppl": (r3["uncalibrated"]["ppl"] - r3[u]["ppl"]) if r3 else None,
+    }
+    s = bootstrap.ppl_samples
+    figures = {"bf16_ppl": lambda i: s(bf16, i),
+               "memory_saving_at_bf16_equivalent": lambda i: bootstrap.saving_samples(pw_points, bf16, bf16_bytes, i)}
+    if r3:
+        figures.update({
+            "gap_closed_vs_uniform_3bit": lambda i: bootstrap.gap_closed_samples(s(r3[u], i), s(r3["pagedweight"], i), s(bf16, i)),
+            "uncalibrated_default_ppl_at_25pct": lambda i: s(r3["uncalibrated"], i),
+            "calibrated_policy_ppl_at_25pct": lambda i: s(r3["pagedweight"], i),
+            "uniform_3bit_ppl_at_25pct": lambda i: s(r3[u], i),
+            "uncalibrated_minus_uniform_3bit_ppl": lambda i: s(r3["uncalibrated"], i) - s(r3[u], i),
+        })
+    if r4:
+        figures.update({"uniform_4bit_ppl": lambda i: s(r4[u], i),
+                        "uncalibrated_default_ppl_at_uniform_4bit_bytes": lambda i: s(r4["uncalibrated"], i)})
+    n_windows = len(bf16["window_nll"])
+    ci = bootstrap.headline_intervals(figures, n_windows, cfg.resamples) if n_windows >= 2 else {}
+    return head, {k: ci.get(k) for k in head}
 
 
 def _shift_only(cfg, model, bank, tokenizer, calib, planned_blocks, ev, bf16_bytes, out) -> dict:

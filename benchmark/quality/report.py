@@ -26,6 +26,24 @@ def _fmt(x, digits=4):
     return str(x)
 
 
+def _ci(results: dict, key: str, digits: int = 3) -> str:
+    """' (95% CI lo to hi)' from headline_ci95, or '' when there is none."""
+    ci = results.get("headline_ci95", {}).get(key)
+    return f" (95% CI {_fmt(ci[0], digits)} to {_fmt(ci[1], digits)})" if ci else ""
+
+
+HEADLINE_FIGURES = (
+    ("uncalibrated_default_ppl_at_25pct", "ppl of the uncalibrated default (`--paged-weight-policy auto` without "
+     "calibration.json) at the uniform 3-bit bytes (25% of bf16)"),
+    ("calibrated_policy_ppl_at_25pct", "ppl of the calibrated quality policy at the same bytes"),
+    ("uniform_3bit_ppl_at_25pct", "ppl of uniform 3 bits (the same bytes)"),
+    ("uncalibrated_minus_uniform_3bit_ppl", "uncalibrated default minus uniform 3 bits, paired (must not be > 0)"),
+    ("uniform_4bit_ppl", "ppl of uniform 4 bits"),
+    ("uncalibrated_default_ppl_at_uniform_4bit_bytes", "ppl of the uncalibrated default at the uniform 4-bit bytes"),
+    ("bf16_ppl", "ppl of bf16"),
+)
+
+
 def markdown(results: dict) -> str:
     h = results["headline"]
     bf16 = results["bf16"]
@@ -43,28 +61,40 @@ def markdown(results: dict) -> str:
         "",
         "## Headline",
         "",
-        f"- gap_closed_vs_uniform_3bit = **{_fmt(h['gap_closed_vs_uniform_3bit'], 3)}** (goal >= 0.40: "
+        "Intervals: window bootstrap over the evaluation windows, paired across points (`headline_ci95`).",
+        "",
+        f"- gap_closed_vs_uniform_3bit = **{_fmt(h['gap_closed_vs_uniform_3bit'], 3)}**"
+        f"{_ci(results, 'gap_closed_vs_uniform_3bit')} (goal >= 0.40: "
         f"{'met' if (h['gap_closed_vs_uniform_3bit'] or 0) >= 0.4 else 'MISSED'})",
-        f"- memory_saving_at_bf16_equivalent = **{_fmt(h['memory_saving_at_bf16_equivalent'], 3)}** (goal >= 0.60: "
+        f"- memory_saving_at_bf16_equivalent = **{_fmt(h['memory_saving_at_bf16_equivalent'], 3)}**"
+        f"{_ci(results, 'memory_saving_at_bf16_equivalent')} (goal >= 0.60: "
         f"{'met' if (h['memory_saving_at_bf16_equivalent'] or 0) >= 0.6 else 'MISSED'})",
+    ]
+    lines += [f"- {key} = **{_fmt(h[key], 4)}**{_ci(results, key, 4)}: {what}" for key, what in HEADLINE_FIGURES
+              if h.get(key) is not None]
+    lines += [
         "",
         "## Curve (equal bytes per row)",
         "",
         f"PagedWeight columns: quality policy, {main}, planned to the uniform {main} row's bytes (`within_budget` in "
-        "the JSON). Other table kinds at the same bitwidth, with their own bytes, for comparison.",
+        "the JSON). Uncalibrated: the default without calibration.json (planner/uncalibrated_policy.py, floor "
+        f"{_floor(results)} bits), same bytes. Other table kinds at the same bitwidth, with their own bytes, for comparison.",
         "",
         f"| budget | bytes | % of bf16 | uniform {main} ppl / KL | "
-        + "".join(f"uniform {k} ppl / KL (its bytes) | " for k in others) + "PagedWeight ppl / KL | hotness ppl / KL |",
-        "|---|---|---|---|" + "---|" * len(others) + "---|---|",
-        f"| bf16 | {bf16['bytes']:,} | 100% | {_fmt(bf16['ppl'])} / {_fmt(bf16['kl'])} | " + "| " * len(others) + "| |",
+        + "".join(f"uniform {k} ppl / KL (its bytes) | " for k in others)
+        + "PagedWeight ppl / KL | uncalibrated ppl / KL | hotness ppl / KL |",
+        "|---|---|---|---|" + "---|" * len(others) + "---|---|---|",
+        f"| bf16 | {bf16['bytes']:,} | 100% | {_fmt(bf16['ppl'])} / {_fmt(bf16['kl'])} | " + "| " * len(others) + "| | |",
     ]
     for row in results["curve"]:
         u, pw, ho = row[f"uniform_{main}"], row["pagedweight"], row.get("hotness")
         cells = "".join(f"{_fmt(k['ppl'])} / {_fmt(k['kl'])} ({k['bytes']:,}) | " if (k := row.get(f"uniform_{o}")) else " | "
                         for o in others)
         hcell = f"{_fmt(ho['ppl'])} / {_fmt(ho['kl'])}" if ho else ""
+        un = row.get("uncalibrated")
+        ucell = f"{_fmt(un['ppl'])} / {_fmt(un['kl'])}" if un else ""
         lines.append(f"| {row['bits']}-bit | {u['bytes']:,} | {100 * u['bytes'] / bf16['bytes']:.1f}% | "
-                     f"{_fmt(u['ppl'])} / {_fmt(u['kl'])} | {cells}{_fmt(pw['ppl'])} / {_fmt(pw['kl'])} | {hcell} |")
+                     f"{_fmt(u['ppl'])} / {_fmt(u['kl'])} | {cells}{_fmt(pw['ppl'])} / {_fmt(pw['kl'])} | {ucell} | {hcell} |")
     if results.get("extra_budgets"):
         lines += ["", "Extra PagedWeight budgets (search for the bf16-equivalent point):", "",
                   "| budget (avg bits equiv.) | bytes | saving vs bf16 | ppl | KL | within 1% of bf16 |", "|---|---|---|---|---|---|"]
@@ -94,6 +124,11 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _floor(results: dict) -> str:
+    floors = {row["uncalibrated"].get("floor_bits") for row in results["curve"] if "uncalibrated" in row}
+    return "/".join(str(f) for f in sorted(floors)) if floors else "—"
+
+
 METHOD = """## Method (how each run maps to the offline setting)
 
 - Every PagedWeight / hotness point starts a fresh page table with every block (layer, expert, w13|w2) at the
@@ -105,6 +140,12 @@ METHOD = """## Method (how each run maps to the offline setting)
   norms of the served (evaluated) text from the bf16 forward, i.e. what the MoE forward records while it
   serves that text; the routing EMA folds it on top of the calibration masses (prior 16384 tokens, horizon
   65536). The hotness policy gets `Observation.routing_counts` of the calibration split.
+- Uncalibrated: `UncalibratedPolicy.from_errors` over the checkpoint's weight_errors.json (the converter's
+  relative squared error of every block at every bitwidth), floor = the lowest bitwidth whose
+  checkpoint-wide relative error is <= 0.05, no routing or prompt statistics: what a server runs with
+  `--paged-weight-policy auto` and no calibration.json.
+- Intervals: every point stores its per-window NLL; 2000 resamples of the windows (with replacement, the
+  same resample for every point) give the 95% percentile interval of every headline figure.
 - w/o routing statistics: `use_routing_stats=False` (every block warm, mu = 1, warm floors).
 - w/o prompt residual: `use_prompt_residual=False` (eta = 1). With the observer the residual uses the
   served text's per-expert features; without it eta is 1 anyway.

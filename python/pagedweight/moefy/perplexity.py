@@ -77,12 +77,14 @@ def evaluate(
     token_ids: torch.Tensor,
     reference_logits: torch.Tensor | Sequence[torch.Tensor] | None = None,
     progress: bool = True,
-) -> dict[str, float | int | None]:
+    per_window: bool = False,
+) -> dict[str, float | int | None | list]:
     """Perplexity (and KL to the reference, if given) of `model` on [windows, seq_len] token windows.
 
     `reference_logits[i]` must be the reference model's logits for window i at positions 0..seq_len-2
     (what `reference_logits()` returns). Returns {"ppl", "kl", "nll", "tokens"}; "kl" is None without a
-    reference.
+    reference. `per_window` adds "window_nll" and "window_kl": each window's summed NLL / KL in nats (what a
+    window bootstrap resamples; benchmark/quality/bootstrap.py).
     """
     _check_windows(token_ids)
     if reference_logits is not None and len(reference_logits) != token_ids.shape[0]:
@@ -90,11 +92,14 @@ def evaluate(
     total_nll = 0.0
     total_kl = 0.0
     positions = 0
+    window_nll: list[float] = []
+    window_kl: list[float] = []
     for index, window in enumerate(tqdm(token_ids, desc="evaluate", disable=not progress, unit="window")):
         logits = _window_logits(model, window)
         log_probs = F.log_softmax(logits, dim=-1)
         targets = window[1:].to(log_probs.device)
-        total_nll += -log_probs.gather(1, targets[:, None]).sum().item()
+        window_nll.append(-log_probs.gather(1, targets[:, None]).sum().item())
+        total_nll += window_nll[-1]
         if reference_logits is not None:
             reference = reference_logits[index].to(log_probs.device, torch.float32)
             if reference.shape != log_probs.shape:
@@ -102,12 +107,16 @@ def evaluate(
                                  f"model logits {tuple(log_probs.shape)}")
             reference_log_probs = F.log_softmax(reference, dim=-1)
             kl = F.kl_div(log_probs, reference_log_probs, log_target=True, reduction="sum")
-            total_kl += kl.item()
+            window_kl.append(kl.item())
+            total_kl += window_kl[-1]
         positions += targets.numel()
     nll = total_nll / positions
-    return QualityResult(
+    out = QualityResult(
         ppl=float(torch.tensor(nll).exp()),
         kl=total_kl / positions if reference_logits is not None else None,
         nll=nll,
         tokens=positions,
     ).as_dict()
+    if per_window:
+        out.update(window_nll=window_nll, window_kl=window_kl if reference_logits is not None else None)
+    return out
