@@ -38,7 +38,17 @@ def candidates(c13, c2, w2, names=None):
             "mb5_ss1_bpf0": both(c13, c2, scale_stages=1, act_prefetch=False, min_blocks=5),
             "mb5_ss1_bpf0_wk1": (replace(c13, scale_stages=1, act_prefetch=False, min_blocks=5, wk=1),
                                  replace(c2, scale_stages=1, act_prefetch=False, min_blocks=5)),
+            # the tables and group sums loaded into registers a few stages ahead (the session-11 kernel)
+            "meta0": both(c13, c2, meta=False, ring_kb=8),
+            "kb12": both(c13, c2, ring_kb=12),
+            "kb16": both(c13, c2, ring_kb=16),
+            "wk1": (replace(c13, wk=1), c2),
         }
+        kps = c2.k_per_split or w2.K
+        for f in (2, 4):  # w2 cut into f times as many K slices (more blocks when there are few pairs)
+            k = max(w2.group_size, kps // f // w2.group_size * w2.group_size)
+            if k < kps:
+                table[f"w2s{f}"] = (c13, replace(c2, k_per_split=k))
         if not c13.direct:
             table["nt1"] = both(c13, c2, n_tiles=1)
             table["nt2"] = both(c13, c2, n_tiles=2)
