@@ -38,8 +38,6 @@ def candidates(c13, c2, w2, names=None):
             "mb5_ss1_bpf0": both(c13, c2, scale_stages=1, act_prefetch=False, min_blocks=5),
             "mb5_ss1_bpf0_wk1": (replace(c13, scale_stages=1, act_prefetch=False, min_blocks=5, wk=1),
                                  replace(c2, scale_stages=1, act_prefetch=False, min_blocks=5)),
-            # the tables and group sums loaded into registers a few stages ahead (the session-11 kernel)
-            "meta0": both(c13, c2, meta=False, ring_kb=8),
             "kb12": both(c13, c2, ring_kb=12),
             "kb16": both(c13, c2, ring_kb=16),
             "wk1": (replace(c13, wk=1), c2),

@@ -35,9 +35,6 @@ NWARPS = 4
 # per SM ran Mixtral M = 1 / 16 in 108 / 357 us, against 141 / 468 with 16 KB rings (3 blocks) and 155 / 493
 # with 24 KB (2 blocks); w13 with its K split over 2 warps was even or faster on every shape timed.
 DEFAULT_RING_KB = 8
-# With the tables and group sums in the ring (FoldConfig.meta) a 4-bit stage is 4 KB of planes plus ~0.5 KB:
-# 10 KB keeps two stages in flight at 4 bits.
-DEFAULT_META_RING_KB = 10
 N_TILES = (1, 2)
 _SOURCE = Path(__file__).with_name("cuda_fold_gemv.cu")
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -62,18 +59,13 @@ class FoldConfig:
     k_per_split: int = 0  # MODE 1/2: inputs per block (0: all of K); summed with float32 atomics
     min_blocks: int = DEFAULT_MIN_BLOCKS
     stage_chunks: int = 4  # 128-input chunks per ring stage: 64-byte (4) or 128-byte (8) row pieces per plane
-    ring_kb: int = 0  # shared memory of each warp's ring (one stage of bits_max planes at least); 0: the default
-    scale_stages: int = 3  # meta off: stages ahead that the (scale, offset) loads run (the tables come from DRAM)
+    ring_kb: int = DEFAULT_RING_KB  # shared memory of each warp's ring (one stage of bits_max planes at least)
+    scale_stages: int = 3  # stages ahead that the (scale, offset) loads run (the tables come from DRAM)
     act_prefetch: bool = True  # one n-tile: the next chunk's activations in flight (16 registers)
-    # each stage's (scale, offset) words and group sums come through the ring with its planes (cp.async), rather
-    # than by loads into registers a few stages ahead, whose latency the warps stalled on
-    meta: bool = True
 
     def __post_init__(self) -> None:
         if self.stage_chunks not in (4, 8):
             raise ValueError(f"stage_chunks must be 4 or 8, got {self.stage_chunks}")
-        if self.ring_kb == 0:
-            object.__setattr__(self, "ring_kb", DEFAULT_META_RING_KB if self.meta else DEFAULT_RING_KB)
         if not 4 <= self.ring_kb <= 56:
             raise ValueError(f"ring_kb must be in 4..56, got {self.ring_kb}")
         if not 1 <= self.scale_stages <= 4:
@@ -96,17 +88,6 @@ class FoldConfig:
     @property
     def shared_bytes(self) -> int:
         return NWARPS * self.ring_kb * 1024
-
-    def stage_bytes(self, bits: int, group_size: int, stage_chunks: int | None = None) -> int:
-        """One ring stage at `bits` planes (cuda_fold_gemv.cu's stage_bytes): the planes of 16 rows, with meta
-        the (scale, offset) words of the groups it touches and their group sums."""
-        sc = stage_chunks or self.stage_chunks
-        planes = bits * 16 * sc * 16
-        if not self.meta:
-            return planes
-        groups = (sc - 1) // (group_size // CHUNK) + 2
-        words = groups // 2 + 1
-        return planes + 16 * 2 * words * 4 + -(-(groups * self.slots * 4) // 16) * 16
 
     @property
     def rows_per_block(self) -> int:  # A rows of one block (MODE 0: half are gate rows, half up rows)
@@ -141,8 +122,7 @@ def require_fold(name: str, why: str | None) -> None:
 def gemv_defines(mode: int, cfg: FoldConfig, bits_max: int, group_size: int, compute: int, out: int = 0) -> list[str]:
     return [f"-DMODE={mode}", f"-DNT={cfg.n_tiles}", f"-DPMAX={bits_max}", f"-DG={group_size}", f"-DCT={compute}",
             f"-DOT={out}", f"-DWK={cfg.wk}", f"-DMINB={cfg.min_blocks}", f"-DDIRECT={int(cfg.direct)}",
-            f"-DRING={cfg.ring_kb * 1024}", f"-DSC={cfg.stage_chunks}", f"-DSPD={cfg.scale_stages}",
-            f"-DBPF={int(cfg.act_prefetch)}", f"-DMETA={int(cfg.meta)}"]
+            f"-DRING={cfg.ring_kb * 1024}", f"-DSC={cfg.stage_chunks}", f"-DSPD={cfg.scale_stages}", f"-DBPF={int(cfg.act_prefetch)}"]
 
 
 def prep_defines(cfg: FoldConfig, group_size: int, compute: int, x_dtype: torch.dtype) -> list[str]:
@@ -211,12 +191,9 @@ def _gemv(mode: int, cfg: FoldConfig, w: APMoEWeights, compute: int, out_code: i
           grid: tuple[int, int, int], *, xf, xs, topk_weights, sorted_ids, expert_ids, post_pad, xf_out, xs_out,
           acc_out, out, counters, bias, num_pairs: int, topk: int, n_out: int, m_rows: int, k_per_split: int,
           row_index: int, apply_w_in: bool, g_out: int, xunit_per_pair: bool, has_bias: bool = False) -> None:
-    # the kernel halves 4-chunk stages above 4 bits when two would not fit; one stage must always fit
-    smallest = 2 if cfg.stage_chunks == 4 and w.bits_max > 4 else cfg.stage_chunks
-    need = cfg.stage_bytes(w.bits_max, w.group_size, smallest)
-    if cfg.ring_kb * 1024 < need:
-        raise ValueError(f"stage_chunks={cfg.stage_chunks} at bits_max={w.bits_max} needs ring_kb >= "
-                         f"{-(-need // 1024)} (one stage of {w.bits_max} planes), got {cfg.ring_kb}")
+    if cfg.stage_chunks == 8 and cfg.ring_kb * 1024 < 2048 * w.bits_max:
+        raise ValueError(f"stage_chunks=8 at bits_max={w.bits_max} needs ring_kb >= {2 * w.bits_max} (one stage of "
+                         f"{w.bits_max} planes), got {cfg.ring_kb}")
     kernel = _compiled("ap_fold_gemv", tuple(gemv_defines(mode, cfg, w.bits_max, w.group_size, compute, out_code)),
                        device.index or 0, cfg.shared_bytes)
     kernel(grid=grid, block=(32 * NWARPS, 1, 1), shared_mem=cfg.shared_bytes,

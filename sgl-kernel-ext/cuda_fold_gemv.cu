@@ -27,8 +27,6 @@
 // or row / pair with DIRECT), chunk, n-tile and j, 32 lanes x 8 16-bit values; value 2 e + h of lane (g, t)
 // is input 32 t + 4 (e + 4 h) + j of slot g. One coalesced 16-byte load per lane feeds 2 mma; lanes of padding
 // slots load nothing (their activations are zeros).
-// META 1: each ring stage also holds the (scale, offset) words of its groups for the warp's 16 rows (whole
-// aligned 4-byte words around each run of 16-bit values) and the groups' activation sums, copied with the planes.
 //
 // MODE 0: MoE gate/up; silu(gate) * up is formed in the epilogue (gate and up of one n share a lane) and stored,
 //         rounded to the compute type, in w2's activation order, with its group sums (float32 atomics).
@@ -73,10 +71,7 @@
 #define BPF 1  // NT 1: the next chunk's activations load while this chunk is multiplied (16 registers)
 #endif
 #ifndef SPD
-#define SPD 3  // META 0: stages ahead that the (scale, offset) loads run
-#endif
-#ifndef META
-#define META 1  // 1: each stage's (scale, offset) words and group sums come through the ring with its planes
+#define SPD 3  // stages ahead that the (scale, offset) loads run
 #endif
 #ifndef SC
 #define SC 4  // chunks per ring stage (4: 64-byte row pieces per plane, 8: 128-byte pieces; 2 above 4 bits when
@@ -186,49 +181,17 @@ __device__ __forceinline__ int pair_of(int i, int num_pairs, const int* sorted_i
     return p < num_pairs ? p : -1;
 }
 
-// META: a stage of scq chunks touches at most (scq - 1) / GC + 2 groups; (scale, offset) values of a (row, kind)
-// are 16-bit and their run starts at any parity, so table_words 4-byte words hold them (copied whole, aligned)
-__host__ __device__ constexpr int table_words(int scq) { return ((scq - 1) / GC + 2) / 2 + 1; }
-__host__ __device__ constexpr int stage_bytes(int q, int scq) {
-    return q * 16 * scq * 16 + (META ? 16 * 2 * table_words(scq) * 4 + (((scq - 1) / GC + 2) * SLOTS * 4 + 15) / 16 * 16
-                                     : 0);
-}
-
-__device__ __forceinline__ u16 lds_u16(u32 addr) {
-    u16 v;
-    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
-    return v;
-}
-__device__ __forceinline__ float2 lds_f2(u32 addr) {
-    float2 v;
-    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr));
-    return v;
-}
-__device__ __forceinline__ float lds_f(u32 addr) {
-    float v;
-    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
-    return v;
-}
-__device__ __forceinline__ void cp_async4z(u32 dst, const void* src, u32 src_bytes) {  // src_bytes 0: zero fill
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async16z(u32 dst, const void* src, u32 src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-
 // ------------------------------------------------------------ one warp: 16 rows x chunks [c_begin, c_end)
 template <int Q>
 __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, const float* xs, int n_table, int K,
                                           unsigned char* ring, int ra, int rb, int c_begin, int c_end,
                                           u32 real_tiles, float (*y)[4]) {
-    // chunks per stage: SC, halved above 4 bits when the ring would otherwise hold one stage of 5-8 planes
-    constexpr int SCQ = (Q > 4 && SC == 4 && RING < 2 * stage_bytes(Q, 4)) ? 2 : SC;
+    // chunks per stage: SC, halved above 4 bits so that the 8 KB ring still holds two stages of 5-8 planes
+    constexpr int SCQ = (Q > 4 && SC == 4 && RING < 2 * Q * 1024) ? 2 : SC;
     constexpr int NP_HI = Q < 4 ? Q : 4;
     constexpr int NP_LO = Q > 4 ? Q - 4 : 0;
     constexpr int PLANE_BYTES = 16 * SCQ * 16;  // one plane of a stage: 16 rows x SCQ chunks x 16 bytes
-    constexpr int STAGE_BYTES = stage_bytes(Q, SCQ);
-    constexpr int TW = table_words(SCQ);
-    constexpr int TAB_OFF = Q * PLANE_BYTES, SUM_OFF = TAB_OFF + 16 * 2 * TW * 4;
+    constexpr int STAGE_BYTES = Q * PLANE_BYTES;
     constexpr int DR = RING / STAGE_BYTES;
     constexpr int D = DR > 8 ? 8 : (DR < 1 ? 1 : DR);  // stages in flight (1: the warp waits for each stage)
     static_assert(DR >= 1, "RING must hold one stage of PMAX planes");
@@ -261,12 +224,6 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     const u16* tab_b = table + (long long)rb * ngroups;
     const int toff = n_table * ngroups;
     const u16* xl = xf + lane * 8;
-#if META
-    // the tables as 4-byte words from the word holding table[0]; tab_e: 16-bit index of rows ra, rb from there
-    const u32* tab4 = (const u32*)((unsigned long long)table & ~3ull);
-    const long long tab_par = (long long)(((unsigned long long)table & 3ull) >> 1);
-    const long long tab_e[2] = {tab_par + (long long)ra * ngroups, tab_par + (long long)rb * ngroups};
-#endif
 
     const int nstages = (c_end - c_begin + SCQ - 1) / SCQ;
     auto issue = [&](int st) {
@@ -287,32 +244,6 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
                 }
             }
         }
-#if META
-        if (st < nstages) {
-            const u32 base = ring_base + (u32)((st % D) * STAGE_BYTES);
-            const int c0 = c_begin + st * SCQ, c1 = min(c0 + SCQ, c_end) - 1;
-            const int g0 = (c0 * CHUNK) / G, ng = (c1 * CHUNK) / G - g0 + 1;
-            // (scale, offset) runs of rows ra (tile row g) and rb (g + 8): lane t copies words t, t + 4, ...
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int k = 0; k < 2; ++k) {
-                    const long long e0 = tab_e[h] + k * toff + g0;  // 16-bit index from the aligned base
-                    const long long w0 = e0 >> 1, w1 = (e0 + ng - 1) >> 1;
-#pragma unroll
-                    for (int w = t; w < TW; w += 4)
-                        cp_async4z(base + TAB_OFF + (u32)((((g + 8 * h) * 2 + k) * TW + w) * 4),
-                                   tab4 + (w0 + w <= w1 ? w0 + w : w0), w0 + w <= w1 ? 4u : 0u);
-                }
-            // the group sums of groups g0 .. g0 + ng - 1 (SLOTS floats each)
-#if DIRECT
-            if (lane < ng) cp_async4z(base + SUM_OFF + lane * 4, xs + g0 + lane, 4u);
-#else
-            for (int piece = lane; piece < ng * SLOTS / 4; piece += 32)
-                cp_async16z(base + SUM_OFF + piece * 16, xs + (long long)g0 * SLOTS + piece * 4, 16u);
-#endif
-        }
-#endif
         cp_async_commit();
     };
     // (scale, offset) of rows ra, rb for the group of stage position t + 4 h
@@ -345,7 +276,6 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
 #pragma unroll
     for (int st = 0; st < D - 1; ++st) issue(st);
     constexpr int NH = SCQ < 4 ? 1 : SCQ / 4;  // coefficient sets per lane and stage
-#if !META
     // the tables come from DRAM: their loads run PD stages ahead (rotated through registers)
     constexpr int PD = SPD;
     u16 sc[PD][NH][4];
@@ -353,9 +283,6 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     for (int d = 0; d < PD; ++d)
 #pragma unroll
         for (int h = 0; h < NH; ++h) load_scales(d, h, sc[d][h]);
-#else
-    (void)load_scales;
-#endif
     float acc[NT][4], acc_lo[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -370,28 +297,7 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
         issue(st + D - 1);  // into the slot stage st - 1 used (every lane passed the __syncwarp below)
         cp_async_wait<D - 1>();
         __syncwarp();
-        const u32 sbase = ring_base + (u32)((st % D) * STAGE_BYTES);
         Coef ca[NH], cb[NH];
-#if META
-        // (scale, offset) of rows ra, rb for the group of stage position t + 4 h, from the stage's words
-        const int sg0 = ((c_begin + st * SCQ) * CHUNK) / G;
-#pragma unroll
-        for (int h = 0; h < NH; ++h) {
-            const int c = c_begin + st * SCQ + t + 4 * h;
-            const int gi = (min(c, c_end - 1) * CHUNK) / G - sg0;  // group of this position inside the stage
-            u16 v[4];
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-#pragma unroll
-                for (int k = 0; k < 2; ++k) {
-                    const long long e0 = tab_e[r] + k * toff + sg0;
-                    v[2 * r + k] = lds_u16(sbase + TAB_OFF + (u32)((((g + 8 * r) * 2 + k) * TW) * 4) +
-                                           (u32)(2 * ((int)(e0 & 1) + gi)));
-                }
-            ca[h] = make_coef<Q>(v[0], v[1]);
-            cb[h] = make_coef<Q>(v[2], v[3]);
-        }
-#else
 #pragma unroll
         for (int h = 0; h < NH; ++h) {
             ca[h] = make_coef<Q>(sc[0][h][0], sc[0][h][1]);
@@ -405,8 +311,7 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
                 for (int k = 0; k < 4; ++k) sc[d][h][k] = sc[d + 1][h][k];
 #pragma unroll
         for (int h = 0; h < NH; ++h) load_scales(st + PD, h, sc[PD - 1][h]);
-#endif
-        // group sums of the stage's groups (META: from the stage; else L2, loaded before the stage's work)
+        // group sums of the stage's groups (L2), loaded before the stage's work
         float2 S_st[SCQ][NT];
 #pragma unroll
         for (int i = 0; i < SCQ; ++i) {
@@ -416,14 +321,7 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
                 S_st[i][nt] = make_float2(0.f, 0.f);
                 if ((c + 1) % GC == 0 && c < c_end) {
                     const long long grp = (c * CHUNK) / G;
-#if META
-                    const u32 sa = sbase + SUM_OFF + (u32)((grp - sg0) * SLOTS * 4);
 #if DIRECT
-                    S_st[i][nt] = make_float2(t == 0 ? lds_f(sa) : 0.f, 0.f);
-#else
-                    S_st[i][nt] = lds_f2(sa + (u32)((nt * 8 + 2 * t) * 4));
-#endif
-#elif DIRECT
                     S_st[i][nt] = make_float2(t == 0 ? __ldg(xs + grp) : 0.f, 0.f);
 #else
                     S_st[i][nt] = __ldg((const float2*)(xs + grp * SLOTS + nt * 8 + 2 * t));
@@ -431,6 +329,7 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
                 }
             }
         }
+        const u32 sbase = ring_base + (u32)((st % D) * STAGE_BYTES);
 #pragma unroll
         for (int i = 0; i < SCQ; ++i) {
             const int c = c_begin + st * SCQ + i;

@@ -172,10 +172,11 @@ def test_configs_and_refusals():
     assert "ubcq" in fold_unsupported(bcq) and "multiple of 128" in fold_unsupported(g32)
     odd2 = random_ap_projection(1, 2048, 704, [4], table_kind="ubcq", group_size=64, bits_min=4).weights
     assert "group size 64" in fold_unsupported(odd2) and fold_moe_unsupported(w13, odd2) is not None
-    # the ring: 10 KB by default with the tables and sums in it (two 4-bit stages), 8 KB without
-    assert FoldConfig().ring_kb == 10 and FoldConfig(meta=False).ring_kb == 8
-    assert 2 * FoldConfig().stage_bytes(4, 128) <= 10 * 1024 < 2 * FoldConfig().stage_bytes(8, 128)
-    assert FoldConfig(meta=False).stage_bytes(8, 128, 2) == 4096 < FoldConfig(ring_kb=4).stage_bytes(8, 128, 2)
+    # w2 of a long intermediate takes more K slices at one token (towards a full wave); a short one does not
+    mx13 = random_ap_projection(2, 2 * 14336, 256, [4] * 2, table_kind="ubcq", bits_min=4, bits_max=4).weights
+    mx2 = random_ap_projection(2, 4096, 14336, [4] * 2, table_kind="ubcq", bits_min=4, bits_max=4).weights
+    assert 14336 // default_fold_configs(1, 2, mx13, mx2, num_sms=132)[1].k_per_split == 4  # 4 slices of 28 chunks
+    assert one2.k_per_split == 6 * 128  # Qwen1.5-MoE's 11 chunks: 2 slices, as before
     x = torch.randn(3, 2048)
     with pytest.raises(ValueError, match="not on a CUDA device"):
         ap_linear(x, w13, kernel="fold")
@@ -217,8 +218,8 @@ def test_linear_explicit_configs_and_large_activations():
 @needs_cuda
 @pytest.mark.parametrize("bits", [3, 4, 8])
 def test_linear_reads_tables_at_any_alignment(bits):
-    """A table that starts 2 bytes past a 4-byte boundary, 11 groups per row (rows alternate parity): the ring
-    copies whole aligned words around each (scale, offset) run and must pick the right halves."""
+    """A table that starts 2 bytes past a 4-byte boundary, 11 groups per row (rows alternate parity): every
+    (scale, offset) value is read where it is, whatever the word alignment."""
     proj = random_ap_projection(1, 200, 1408, [bits], table_kind="ubcq", bits_min=1, seed=bits, device="cuda")
     w = proj.weights
     _, table = w.resident(0)
@@ -231,8 +232,7 @@ def test_linear_reads_tables_at_any_alignment(bits):
     odd = dataclasses.replace(w, page_table=pt)
     x = torch.randn(9, 1408, device="cuda", dtype=torch.bfloat16)
     ref = ap_linear_reference(x.float(), w)
-    for cfg in (FoldConfig(1), FoldConfig(2, k_per_split=384), FoldConfig(1, stage_chunks=8, ring_kb=20),
-                FoldConfig(1, meta=False)):
+    for cfg in (FoldConfig(1), FoldConfig(2, k_per_split=384), FoldConfig(1, stage_chunks=8, ring_kb=16)):
         assert rel_err(ap_linear_fold(x, odd, 0, None, cfg), ref) < 2e-2, cfg
 
 
@@ -271,9 +271,7 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
     layouts = [(FoldConfig(nt, wk=wk), FoldConfig(nt, k_per_split=kps)) for nt in (1, 2) for wk, kps in
                ((1, 0), (2, 128), (4, 256))]
     layouts.append((FoldConfig(1, direct=True, wk=4), FoldConfig(1, direct=True, k_per_split=128)))
-    # the tables and group sums read straight into registers (meta off), and 8-chunk stages through the ring
-    layouts.append((FoldConfig(1, wk=2, meta=False), FoldConfig(1, k_per_split=128, meta=False)))
-    layouts.append((FoldConfig(2, stage_chunks=8, ring_kb=20), FoldConfig(2, stage_chunks=8, ring_kb=20)))
+    layouts.append((FoldConfig(2, stage_chunks=8, ring_kb=16), FoldConfig(2, stage_chunks=8, ring_kb=16)))
     for cfgs in layouts:
         out = ap_fused_moe_fold(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
         assert rel_err(out, ref) < 2e-2, cfgs
