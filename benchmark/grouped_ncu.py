@@ -14,10 +14,9 @@ import sys
 import torch
 
 from pagedweight.kernels.cuda_grouped import GroupedConfig, ap_fused_moe_grouped, default_grouped_config
-from pagedweight.kernels.testing import random_ap_projection
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_bench import GROUP, MODELS, make_routing  # noqa: E402
+from kernel_bench import uniform_case  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--model", default="mixtral")
@@ -28,13 +27,8 @@ ap.add_argument("--stages", type=int, default=3)
 ap.add_argument("--wgmma", type=int, default=1)
 ap.add_argument("--ws", type=int, default=0, help="1: the warp-specialized kernel (--kernel-name ap_grouped_ws_gemm)")
 args = ap.parse_args()
-m = MODELS[args.model]
-E, topk, H, I = m["E"], m["topk"], m["H"], m["I"]
-dev = torch.device("cuda")
-w13 = random_ap_projection(E, 2 * I, H, [args.bits] * E, table_kind="ubcq", group_size=GROUP, seed=1, device=dev).weights
-w2 = random_ap_projection(E, H, I, [args.bits] * E, table_kind="ubcq", group_size=GROUP, seed=2, device=dev).weights
-x = torch.randn((args.m, H), device=dev, dtype=torch.bfloat16)
-tw, ids = make_routing(args.m, E, topk, m["renormalize"], args.m, dev)
+x, tw, ids, w13, w2 = uniform_case(args.model, args.m, args.bits, torch.device("cuda"))
+topk, E = ids.shape[1], w13.num_experts
 cfg = (default_grouped_config(args.m, topk, E) if args.wn == 0
        else GroupedConfig(args.wn, args.stages, bool(args.wgmma), bool(args.ws)))
 for _ in range(2):  # the first call compiles; ncu skips it with --launch-skip 2

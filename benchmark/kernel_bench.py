@@ -74,6 +74,18 @@ def make_routing(M: int, E: int, topk: int, renormalize: bool, seed: int, device
     return w.to(torch.float32).contiguous().to(device), ids.to(torch.int32).contiguous().to(device)
 
 
+def uniform_case(model: str, m: int, bits: int, device):
+    """(x, topk weights, topk ids, w13, w2) of one MoE layer of `model` at uniform `bits`, ubcq, M = m tokens:
+    the inputs of the one-call scripts that run under ncu."""
+    md = MODELS[model]
+    E, topk, H, I = md["E"], md["topk"], md["H"], md["I"]
+    w13 = random_ap_projection(E, 2 * I, H, [bits] * E, table_kind="ubcq", group_size=GROUP, seed=1, device=device)
+    w2 = random_ap_projection(E, H, I, [bits] * E, table_kind="ubcq", group_size=GROUP, seed=2, device=device)
+    x = torch.randn((m, H), device=device, dtype=torch.bfloat16)
+    tw, ids = make_routing(m, E, topk, md["renormalize"], m, device)
+    return x, tw, ids, w13.weights, w2.weights
+
+
 def time_cuda(run, reps: int, flush: torch.Tensor) -> dict:
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
