@@ -25,6 +25,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -149,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         refine=args.refine, progress=not args.quiet, memo_path=cache / ("measurements-shift.json" if args.only_shift else "measurements.json"),
         only_shift=args.only_shift, stage_slack=args.stage_slack, main_kind=args.table_kind,
     )
-    command = "python benchmark/quality_curve.py" + ("" if argv is None and len(sys.argv) == 1 else
-                                                     " " + " ".join(sys.argv[1:] if argv is None else argv))
+    given = sys.argv[1:] if argv is None else argv
+    command = "python benchmark/quality_curve.py" + ("" if not given else " " + shlex.join(given))
 
     def write(partial: dict) -> dict:
         results = dict(partial)

@@ -101,6 +101,7 @@ def markdown(results: dict) -> str:
         for p in results["extra_budgets"]:
             lines.append(f"| {p['bits']} | {p['bytes']:,} | {100 * (1 - p['bytes'] / bf16['bytes']):.1f}% | "
                          f"{_fmt(p['ppl'])} | {_fmt(p['kl'])} | {'yes' if p['ppl'] <= 1.01 * bf16['ppl'] else 'no'} |")
+        lines.append("")
     if results.get("ablation"):
         lines += ["", f"## Ablation at the uniform 3-bit {main} budget ({results['ablation']['budget_bytes']:,} B)", "",
                   "| variant | ppl | KL | bytes | gap closed | same plan as full |", "|---|---|---|---|---|---|"]
