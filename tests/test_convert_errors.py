@@ -51,7 +51,7 @@ def _rewrite_config(model: Path, **changes) -> None:
 def test_unsupported_model_type(tiny, tmp_path):
     model = _copy(tiny, tmp_path / "m")
     _rewrite_config(model, model_type="llama")
-    with pytest.raises(ConversionError, match="model_type 'llama' is not supported.*mixtral, qwen2_moe, qwen3_moe"):
+    with pytest.raises(ConversionError, match="model_type 'llama' is not supported.*mixtral, olmoe, qwen2_moe, qwen3_moe"):
         convert_checkpoint(model, tmp_path / "out", progress=False)
 
 

@@ -1,4 +1,4 @@
-"""Tiny random-weight MoE checkpoints (Qwen2-MoE, Mixtral, Qwen3-MoE) for tests and smoke runs.
+"""Tiny random-weight MoE checkpoints (Qwen2-MoE, Mixtral, Qwen3-MoE, OLMoE) for tests and smoke runs.
 
 `make_tiny_moe` writes a complete Hugging Face model directory that SGLang 0.5.17 can serve:
 config.json + generation_config.json, model.safetensors with the classic per-expert tensor names
@@ -19,7 +19,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-TINY_ARCHS: tuple[str, ...] = ("qwen2_moe", "mixtral", "qwen3_moe")
+TINY_ARCHS: tuple[str, ...] = ("qwen2_moe", "mixtral", "qwen3_moe", "olmoe")
 
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
@@ -127,6 +127,14 @@ def _hf_config(arch: str, sizes: TinyMoESizes, dtype: str):
             head_dim=sizes.hidden_size // sizes.num_heads,
             decoder_sparse_step=1,
             norm_topk_prob=True,
+        )
+    elif arch == "olmoe":
+        # OLMoE is multi-head (SGLang's olmoe.py sizes its key norm by hidden_size): as many KV heads as heads
+        config = transformers.OlmoeConfig(
+            **{**common, "num_key_value_heads": sizes.num_heads},
+            num_experts=sizes.num_experts,
+            intermediate_size=sizes.moe_intermediate_size,
+            norm_topk_prob=False,
         )
     elif arch == "mixtral":
         config = transformers.MixtralConfig(
@@ -253,6 +261,7 @@ def make_tiny_moe(
         "qwen2_moe": transformers.Qwen2MoeForCausalLM,
         "qwen3_moe": transformers.Qwen3MoeForCausalLM,
         "mixtral": transformers.MixtralForCausalLM,
+        "olmoe": transformers.OlmoeForCausalLM,
     }[arch]
     # Seed the global RNG only inside a fork so the caller's RNG state is left alone.
     with torch.random.fork_rng(devices=[]):

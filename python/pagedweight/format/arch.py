@@ -81,6 +81,14 @@ ADAPTERS: dict[str, ArchAdapter] = {
         _QWEN_PROJS,
         ("num_experts", "num_local_experts"),
     ),
+    # OLMoE: Qwen3-MoE's expert names (no shared expert), query / key norms in attention (dense, untouched)
+    "olmoe": ArchAdapter(
+        "olmoe",
+        re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight"),
+        None,
+        _QWEN_PROJS,
+        ("num_experts",),
+    ),
     "mixtral": ArchAdapter(
         "mixtral",
         re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight"),
