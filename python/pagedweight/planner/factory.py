@@ -1,4 +1,8 @@
-"""`make_policy`: build the policy named by `--paged-weight-policy quality|hotness|static`."""
+"""`make_policy`: build the policy named by `--paged-weight-policy quality|hotness|static`.
+
+'uncalibrated' plans over the runtime's page table and the checkpoint's weight errors, so a server builds it in
+`serving_loop.make_runtime_policy_choice` (planner/uncalibrated_policy.py); 'auto' is resolved by planner/choice.py.
+"""
 
 from __future__ import annotations
 
