@@ -61,6 +61,7 @@ class _Sizing:
     capacity_tokens: int = 0
     max_tokens: int = 0
     owner: Any = None
+    fixed_reason: str = ""  # set when the pool kind is not elastic: SGLang's pool is kept as it is
 
 
 _PENDING: Optional[_Sizing] = None
@@ -117,6 +118,12 @@ def alloc_memory_pool_around(original, model_runner, *args, **kwargs):
         result = original(model_runner, *args, **kwargs)
     finally:
         _PENDING = None
+    if sizing.fixed_reason:
+        logger.info(
+            "PagedWeight: fixed KV pool (%s): SGLang's %d tokens, no elastic KV; the experts serve at their start "
+            "bits and keep that memory saving", sizing.fixed_reason, getattr(model_runner, "max_total_num_tokens", 0),
+        )
+        return result
     if not sizing.max_tokens:
         raise ElasticKVSetupError("SGLang allocated its KV pool without resolving a pool config; cannot size it")
     _install(model_runner, sizing)
@@ -155,11 +162,11 @@ def resolve_memory_pool_config_around(original, configurator, *args, **kwargs):
     sizing = _PENDING
     if sizing is None or configurator.is_draft_worker:
         return config
-    if configurator.is_hybrid_swa or configurator.mambaish_config is not None or configurator.use_mla_backend:
-        raise ElasticKVSetupError(
-            "elastic KV cache supports plain multi-head-attention KV pools; this model uses a hybrid "
-            "(sliding-window / Mamba) or MLA pool"
-        )
+    kind = ("MLA latent" if configurator.use_mla_backend else "hybrid sliding-window" if configurator.is_hybrid_swa
+            else "Mamba" if configurator.mambaish_config is not None else "")
+    if kind:  # the elastic cache grows and shrinks plain multi-head-attention pools only
+        sizing.fixed_reason = f"the elastic KV cache does not take this model's {kind} KV pool yet"
+        return config
     from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
 
     cell = getattr(create_memory_pool_configurator(configurator), "_cell_size", None)
@@ -196,14 +203,19 @@ def _vmm_buffers(pool: Any) -> None:
     _PENDING.owner = owner
 
 
+def _vmm_wanted(pool: Any) -> bool:
+    """The pool being built belongs to an elastic sizing on CUDA (not a fixed pool's MHA parts)."""
+    return _PENDING is not None and not _PENDING.fixed_reason and str(pool.device).startswith("cuda")
+
+
 def create_buffers_normal_around(original, pool, *args, **kwargs):
-    if _PENDING is None or not str(pool.device).startswith("cuda"):
+    if not _vmm_wanted(pool):
         return original(pool, *args, **kwargs)
     _vmm_buffers(pool)
 
 
 def alloc_post_capture_buffers_around(original, pool, *args, **kwargs):
-    if _PENDING is None:
+    if _PENDING is None or _PENDING.fixed_reason:
         return original(pool, *args, **kwargs)
     _vmm_buffers(pool)
 

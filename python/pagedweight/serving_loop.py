@@ -97,6 +97,18 @@ def _uncalibrated_policy(cfg: PagedWeightConfig, ap_dir: Optional[str], runtime:
     )
 
 
+def serving_policy(cfg: PagedWeightConfig, ap_dir, runtime: PagedRuntime, *, fixed_kv: bool) -> tuple[Policy, str]:
+    """The policy a server runs and its startup line. A fixed KV pool (patches/kv_cache.py: a pool kind the
+    elastic cache does not take) gets the static policy: bytes a lower bitwidth frees could not reach it, so no
+    plan may lower one."""
+    if fixed_kv:
+        from pagedweight.planner.static_policy import StaticPolicy
+
+        return StaticPolicy(), "PagedWeight: policy static (the KV pool is fixed: freed weight bytes could not reach it)"
+    policy, choice = make_runtime_policy_choice(cfg, ap_dir, runtime)
+    return policy, choice.log_line()
+
+
 @dataclass
 class PagedWeightScheduler:
     runtime: PagedRuntime
@@ -135,8 +147,8 @@ class PagedWeightScheduler:
         else:
             runtime.budget.add_capacity("kv", scheduler.max_total_num_tokens * bytes_per_token)
         ap_dir = None if scheduler.server_args.load_format == "dummy" else cfg.resolve_ap_dir(scheduler.server_args.model_path)
-        policy, choice = make_runtime_policy_choice(cfg, ap_dir, runtime)
-        logger.info(choice.log_line())
+        policy, line = serving_policy(cfg, ap_dir, runtime, fixed_kv=kv is None)
+        logger.info(line)
         controller = PagingController(
             runtime.pager, policy, signal, kv=kv, reload_headroom_bytes=runtime.reload_headroom_bytes
         )

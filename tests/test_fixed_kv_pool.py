@@ -1,0 +1,76 @@
+"""A KV pool the elastic cache does not take (MLA latent, hybrid sliding-window, Mamba; issue #23): the hooks keep
+SGLang's pool as it is and say so in one line, and the server runs the static policy, instead of dying after
+model load. (Stock SGLang's CPU backend cannot run an MLA model, so this is checked on the hooks themselves.)"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from pagedweight.config import SERVER_ARGS_ATTR, PagedWeightConfig
+from pagedweight.patches import kv_cache
+from pagedweight.planner.static_policy import StaticPolicy
+from pagedweight.serving_loop import serving_policy
+
+
+def _configurator(**kind):
+    base = dict(is_draft_worker=False, is_hybrid_swa=False, mambaish_config=None, use_mla_backend=False)
+    return SimpleNamespace(**{**base, **kind})
+
+
+def _model_runner():
+    server_args = SimpleNamespace()
+    object.__setattr__(server_args, SERVER_ARGS_ATTR, PagedWeightConfig(enable=True))
+    return SimpleNamespace(server_args=server_args, is_draft_worker=False, device="cuda", max_total_num_tokens=4096)
+
+
+@pytest.mark.parametrize("kind,word", [(dict(use_mla_backend=True), "MLA latent"),
+                                       (dict(is_hybrid_swa=True), "hybrid sliding-window"),
+                                       (dict(mambaish_config=object()), "Mamba")])
+def test_a_pool_kind_the_cache_does_not_take_is_kept_fixed(kind, word, monkeypatch, caplog):
+    monkeypatch.setenv(kv_cache.EXTRA_TOKENS_ENV, "512")
+    runner = _model_runner()
+    config = SimpleNamespace(max_total_num_tokens=4096)
+    built = []
+
+    def sglang_alloc(model_runner):  # SGLang's alloc_memory_pool: resolve the config, then build the pools
+        got = kv_cache.resolve_memory_pool_config_around(lambda c: config, _configurator(**kind))
+        pool = SimpleNamespace(device="cuda")
+        kv_cache.create_buffers_normal_around(lambda p: built.append(p), pool)  # an MHA part of a hybrid pool
+        return got
+
+    with caplog.at_level(logging.INFO, logger="pagedweight"):
+        assert kv_cache.alloc_memory_pool_around(sglang_alloc, runner) is config  # the size SGLang chose
+    assert len(built) == 1  # SGLang's own buffers, not a VMM reservation nobody would map
+    assert not hasattr(runner, kv_cache.KV_ATTR)
+    lines = [r.getMessage() for r in caplog.records if "fixed KV pool" in r.getMessage()]
+    assert len(lines) == 1 and word in lines[0] and "4096 tokens" in lines[0], lines
+    assert kv_cache._PENDING is None
+
+
+def test_a_plain_pool_is_still_sized_elastic(monkeypatch):
+    """The MHA case keeps asking SGLang for capacity + extra tokens (what the fixed path must not change)."""
+    monkeypatch.setenv(kv_cache.EXTRA_TOKENS_ENV, "512")
+    sizing = kv_cache._Sizing(None, 512, "cpu")
+    monkeypatch.setattr(kv_cache, "_PENDING", sizing)
+    cfg = _configurator()
+    cfg.pool_page_size = 16
+    monkeypatch.setattr("sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator",
+                        lambda c: SimpleNamespace(_cell_size=1024))
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Config:
+        max_total_num_tokens: int
+
+    out = kv_cache.resolve_memory_pool_config_around(lambda c: Config(4100), cfg)
+    assert out.max_total_num_tokens == 4096 + 512 and not sizing.fixed_reason
+    assert (sizing.capacity_tokens, sizing.max_tokens) == (4096, 4608)
+
+
+def test_a_fixed_pool_runs_the_static_policy():
+    policy, line = serving_policy(PagedWeightConfig(enable=True), None, None, fixed_kv=True)
+    assert isinstance(policy, StaticPolicy) and "KV pool is fixed" in line
+    assert len(policy.plan_reload(None, 1 << 30, None)) == 0
