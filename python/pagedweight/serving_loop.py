@@ -37,11 +37,6 @@ logger = logging.getLogger("pagedweight")
 ROUTING_REFRESH_S = 0.5
 
 
-def make_runtime_policy(cfg: PagedWeightConfig, ap_dir: Optional[str], runtime: Optional[PagedRuntime] = None) -> Policy:
-    """The policy named by --paged-weight-policy; see `make_runtime_policy_choice` for the reason it logs."""
-    return make_runtime_policy_choice(cfg, ap_dir, runtime)[0]
-
-
 def make_runtime_policy_choice(cfg: PagedWeightConfig, ap_dir: Optional[str],
                                runtime: Optional[PagedRuntime] = None) -> tuple[Policy, PolicyChoice]:
     """The policy named by --paged-weight-policy ('auto': planner/choice.py) and which floor it plans above, and
