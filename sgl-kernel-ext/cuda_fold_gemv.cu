@@ -25,8 +25,7 @@
 // nibbles (e, e + 4) of out_j as the half pair of slots (2t, 2t+1) or (2t+8, 2t+9).
 // Activations arrive in that order from ap_fold_prep (w13, linear) or the w13 epilogue (w2): per unit (m-block,
 // or row / pair with DIRECT), chunk, n-tile and j, 32 lanes x 8 16-bit values; value 2 e + h of lane (g, t)
-// is input 32 t + 4 (e + 4 h) + j of slot g. One coalesced 16-byte load per lane feeds 2 mma; lanes of padding
-// slots load nothing (their activations are zeros).
+// is input 32 t + 4 (e + 4 h) + j of slot g. One coalesced 16-byte load per lane feeds 2 mma.
 //
 // MODE 0: MoE gate/up; silu(gate) * up is formed in the epilogue (gate and up of one n share a lane) and stored,
 //         rounded to the compute type, in w2's activation order, with its group sums (float32 atomics).
@@ -185,7 +184,7 @@ __device__ __forceinline__ int pair_of(int i, int num_pairs, const int* sorted_i
 template <int Q>
 __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, const float* xs, int n_table, int K,
                                           unsigned char* ring, int ra, int rb, int c_begin, int c_end,
-                                          u32 real_tiles, float (*y)[4]) {
+                                          float (*y)[4]) {
     // chunks per stage: SC, halved above 4 bits so that the 8 KB ring still holds two stages of 5-8 planes
     constexpr int SCQ = (Q > 4 && SC == 4 && RING < 2 * Q * 1024) ? 2 : SC;
     constexpr int NP_HI = Q < 4 ? Q : 4;
@@ -268,7 +267,7 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
 #if DIRECT
                 b[nt][v] = g == 0 ? ldg128(pc + v * 256) : make_uint4(0u, 0u, 0u, 0u);
 #else
-                b[nt][v] = (real_tiles >> nt) & 1 ? ldg128(pc + (nt * 4 + v) * 256) : make_uint4(0u, 0u, 0u, 0u);
+                b[nt][v] = ldg128(pc + (nt * 4 + v) * 256);
 #endif
             }
     };
@@ -445,13 +444,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
         const u16* xfu = xf + (long long)unit * chunks * UNIT_CHUNK_ELEMS;
         const float* xsu = xs + (long long)unit * (K / G) * SLOTS;
         unsigned char* ring = smem + warp * RING;
-        // bit nt: this lane's slot g of n-tile nt holds a pair; a padding slot's activations (zeros) are not read
-        u32 real_tiles = 0;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-            if (pair_of(nt * 8 + g, num_pairs, sorted_ids) >= 0) real_tiles |= 1u << nt;
-#define CALL_ROWS(Q) \
-    warp_rows<(Q <= PMAX ? Q : 1)>(prow, xfu, xsu, n_table, K, ring, ra, rb, c_begin, c_end, real_tiles, y)
+#define CALL_ROWS(Q) warp_rows<(Q <= PMAX ? Q : 1)>(prow, xfu, xsu, n_table, K, ring, ra, rb, c_begin, c_end, y)
         Q_SWITCH(q, CALL_ROWS)
 #undef CALL_ROWS
     }
