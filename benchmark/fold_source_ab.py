@@ -27,7 +27,7 @@ import pagedweight.kernels.cuda_fold as cuda_fold
 from pagedweight.kernels.testing import random_ap_projection
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_bench import MODELS, case_bits, graph_time, make_routing  # noqa: E402
+from kernel_bench import MODELS, case_bits, cuda_setup, graph_time, make_routing  # noqa: E402
 
 SOURCE_IN_REPO = "sgl-kernel-ext/cuda_fold_gemv.cu"
 
@@ -57,9 +57,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    dev = torch.device("cuda")
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=dev)
+    dev, sms, flush = cuda_setup()
     here = cuda_fold._SOURCE
     rows, summary = [], {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -41,6 +41,12 @@ def candidates(c13, c2, w2, names=None):
             "kb12": both(c13, c2, ring_kb=12),
             "kb16": both(c13, c2, ring_kb=16),
             "wk1": (replace(c13, wk=1), c2),
+            "pf0": both(c13, c2, l2_prefetch=0),
+            "pf128": both(c13, c2, l2_prefetch=128),
+            "pf256": both(c13, c2, l2_prefetch=256),
+            "sc8_kb16_mb3": both(c13, c2, stage_chunks=8, ring_kb=16, min_blocks=3),
+            "sc8_kb16_mb3_pf256": both(c13, c2, stage_chunks=8, ring_kb=16, min_blocks=3, l2_prefetch=256),
+            "pf256_mb3_kb12": both(c13, c2, l2_prefetch=256, min_blocks=3, ring_kb=12),
         }
         kps = c2.k_per_split or w2.K
         for f in (2, 4):  # w2 cut into f times as many K slices (more blocks when there are few pairs)

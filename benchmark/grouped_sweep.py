@@ -42,9 +42,12 @@ def kernel_times(call) -> list[tuple[str, float]]:
 
 
 def parse_config(text: str) -> GroupedConfig:
-    """wn.stages[.mma|.ws]: mma.sync instead of wgmma, or the warp-specialized kernel."""
-    wn, stages, *kind = text.split(".")
-    return GroupedConfig(int(wn), int(stages), wgmma=kind != ["mma"], ws=kind == ["ws"])
+    """wn.stages[.mma|.ws][.pf128|.pf256]: mma.sync instead of wgmma, or the warp-specialized kernel; the L2
+    prefetch size of the copies."""
+    wn, stages, *tags = text.split(".")
+    pf = [int(t[2:]) for t in tags if t.startswith("pf")]
+    kind = [t for t in tags if not t.startswith("pf")]
+    return GroupedConfig(int(wn), int(stages), wgmma=kind != ["mma"], ws=kind == ["ws"], l2_prefetch=pf[0] if pf else 0)
 
 
 def main() -> None:
@@ -56,7 +59,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--time-budget-s", type=float, default=200.0)
     ap.add_argument("--configs", default="1.3,1.4,2.3,2.4,2.3.mma",
-                    help="comma list of wn.stages[.mma|.ws] (e.g. 2.3.ws: 128 pairs, 3 stages, warp-specialized)")
+                    help="comma list of wn.stages[.mma|.ws][.pf128|.pf256] (e.g. 2.3.ws: 128 pairs, 3 stages, "
+                         "warp-specialized)")
     ap.add_argument("--tiles", action="store_true", help="also time the dequantize-then-GEMM path")
     args = ap.parse_args()
     t0 = time.time()

@@ -86,6 +86,13 @@ def uniform_case(model: str, m: int, bits: int, device):
     return x, tw, ids, w13.weights, w2.weights
 
 
+def cuda_setup() -> tuple[torch.device, int, torch.Tensor]:
+    """(the CUDA device, its SM count, the 256 MB buffer that time_cuda zeroes to flush L2 before each run)."""
+    dev = torch.device("cuda")
+    return dev, torch.cuda.get_device_properties(dev).multi_processor_count, torch.empty(256 * 2**20, dtype=torch.int8,
+                                                                                         device=dev)
+
+
 def time_cuda(run, reps: int, flush: torch.Tensor) -> dict:
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]

@@ -44,6 +44,10 @@ MODE_W13, MODE_W2, MODE_LINEAR = 0, 1, 2
 # (plain / router weight on the input), block of rows of a dense linear
 SRC_TOKEN, SRC_PAIR, SRC_BLOCK, SRC_BLOCK_WEIGHTED, SRC_ROWS = 0, 1, 2, 3, 4
 DEFAULT_MIN_BLOCKS = 4
+# A stage copies 64 bytes of each row and plane; asking L2 to fetch the whole 128-byte line on a miss lets HBM
+# serve whole lines (benchmark/plane_read_bench.py: row-major 64-byte pieces alone cap the read rate far below
+# 128-byte ones; fold_sweep.py, docs/results/kernel.md session 15)
+DEFAULT_L2_PREFETCH = 128
 # w2's K slices: beyond the 1.5 blocks per SM, more slices while the grid holds fewer than 3.5 blocks per SM and
 # each slice keeps >= 14 chunks (H200, fold_sweep.py, docs/results/kernel.md session 14: Mixtral M = 1 and its
 # TP-2 shard ran faster with 4 slices than 2; Qwen's short w2, 6-11 chunks, slower with any more)
@@ -62,6 +66,7 @@ class FoldConfig:
     ring_kb: int = DEFAULT_RING_KB  # shared memory of each warp's ring (one stage of bits_max planes at least)
     scale_stages: int = 3  # stages ahead that the (scale, offset) loads run (the tables come from DRAM)
     act_prefetch: bool = True  # one n-tile: the next chunk's activations in flight (16 registers)
+    l2_prefetch: int = DEFAULT_L2_PREFETCH  # L2 prefetch size (bytes) of the plane copies: 0, 128 or 256
 
     def __post_init__(self) -> None:
         if self.stage_chunks not in (4, 8):
@@ -70,6 +75,8 @@ class FoldConfig:
             raise ValueError(f"ring_kb must be in 4..56, got {self.ring_kb}")
         if not 1 <= self.scale_stages <= 4:
             raise ValueError(f"scale_stages must be in 1..4, got {self.scale_stages}")
+        if self.l2_prefetch not in (0, 128, 256):
+            raise ValueError(f"l2_prefetch must be 0, 128 or 256, got {self.l2_prefetch}")
         if self.n_tiles not in N_TILES:
             raise ValueError(f"n_tiles must be one of {N_TILES}, got {self.n_tiles}")
         if self.wk not in (1, 2, 4):
@@ -122,7 +129,8 @@ def require_fold(name: str, why: str | None) -> None:
 def gemv_defines(mode: int, cfg: FoldConfig, bits_max: int, group_size: int, compute: int, out: int = 0) -> list[str]:
     return [f"-DMODE={mode}", f"-DNT={cfg.n_tiles}", f"-DPMAX={bits_max}", f"-DG={group_size}", f"-DCT={compute}",
             f"-DOT={out}", f"-DWK={cfg.wk}", f"-DMINB={cfg.min_blocks}", f"-DDIRECT={int(cfg.direct)}",
-            f"-DRING={cfg.ring_kb * 1024}", f"-DSC={cfg.stage_chunks}", f"-DSPD={cfg.scale_stages}", f"-DBPF={int(cfg.act_prefetch)}"]
+            f"-DRING={cfg.ring_kb * 1024}", f"-DSC={cfg.stage_chunks}", f"-DSPD={cfg.scale_stages}", f"-DBPF={int(cfg.act_prefetch)}",
+            f"-DL2PF={cfg.l2_prefetch}"]
 
 
 def prep_defines(cfg: FoldConfig, group_size: int, compute: int, x_dtype: torch.dtype) -> list[str]:

@@ -76,6 +76,12 @@
 #define SC 4  // chunks per ring stage (4: 64-byte row pieces per plane, 8: 128-byte pieces; 2 above 4 bits when
              // the ring would otherwise hold only one stage)
 #endif
+#ifndef L2PF
+#define L2PF 0  // L2 prefetch size of the plane copies: 0 (none), 128 or 256 bytes
+#endif
+#if L2PF != 0 && L2PF != 128 && L2PF != 256
+#error "L2PF must be 0, 128 or 256"
+#endif
 #if SC != 4 && SC != 8
 #error "SC must be 4 or 8"
 #endif
@@ -116,8 +122,16 @@ __device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a
 }
 
 
+// L2PF: the L2 prefetch size the plane copies ask for. A stage reads 64 bytes of each row and plane; with the
+// hint a miss makes L2 fetch the whole 128 / 256 bytes, so HBM serves whole lines and the next stages hit L2
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+#if L2PF == 0
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+#elif L2PF == 128
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+#else
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+#endif
 }
 
 

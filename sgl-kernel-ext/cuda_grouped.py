@@ -49,12 +49,15 @@ class GroupedConfig:
     # warp-specialized (cuda_grouped_ws.cu, sm_90a): a producer warpgroup loads and decodes each chunk once into
     # shared memory while two consumer warpgroups run wgmma with both operands there
     ws: bool = False
+    l2_prefetch: int = 0  # L2 prefetch size (bytes) of the 16-byte copies: 0, 128 or 256
 
     def __post_init__(self) -> None:
         if self.wn not in (1, 2):
             raise ValueError(f"wn must be 1 or 2, got {self.wn}")
         if not 2 <= self.stages <= 4:
             raise ValueError(f"stages must be in 2..4, got {self.stages}")
+        if self.l2_prefetch not in (0, 128, 256):
+            raise ValueError(f"l2_prefetch must be 0, 128 or 256, got {self.l2_prefetch}")
         if self.ws and not self.wgmma:
             raise ValueError("the warp-specialized grouped kernel (ws=True) runs on wgmma: pass wgmma=True")
 
@@ -115,9 +118,9 @@ def require_grouped(why: str | None) -> None:
 def gemm_defines(mode: int, cfg: GroupedConfig, bits_max: int, group_size: int, compute: int) -> list[str]:
     if cfg.ws:
         return [f"-DMODE={mode}", f"-DBN={cfg.block_m}", f"-DPMAX={bits_max}", f"-DG={group_size}",
-                f"-DCT={compute}", f"-DSTAGES={cfg.stages}"]
+                f"-DCT={compute}", f"-DSTAGES={cfg.stages}", f"-DL2PF={cfg.l2_prefetch}"]
     return [f"-DMODE={mode}", f"-DWN={cfg.wn}", f"-DPMAX={bits_max}", f"-DG={group_size}", f"-DCT={compute}",
-            f"-DSTAGES={cfg.stages}", f"-DWGMMA={int(cfg.wgmma)}"]
+            f"-DSTAGES={cfg.stages}", f"-DWGMMA={int(cfg.wgmma)}", f"-DL2PF={cfg.l2_prefetch}"]
 
 
 def gemm_arch(cfg: GroupedConfig, compute_capability: str) -> str:

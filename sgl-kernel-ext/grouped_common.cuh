@@ -18,8 +18,23 @@ __device__ __forceinline__ u32 splat(float f) {  // both halves = f in the compu
     return h | (h << 16);
 }
 
+#ifndef L2PF
+#define L2PF 0  // L2 prefetch size of the 16-byte copies: 0 (none), 128 or 256 bytes
+#endif
+// A stage reads 16 bytes of each weight row and plane; with the hint a miss makes L2 fetch the row's next
+// 128 / 256 bytes with it, so HBM serves whole lines and the next stages hit L2
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {  // src_bytes 0: zero fill
+#if L2PF == 0
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+#elif L2PF == 128
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
+                 : "memory");
+#elif L2PF == 256
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
+                 : "memory");
+#else
+#error "L2PF must be 0, 128 or 256"
+#endif
 }
 __device__ __forceinline__ void cp_async4(u32 dst, const void* src, u32 src_bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");

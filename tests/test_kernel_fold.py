@@ -33,7 +33,7 @@ from pagedweight.kernels.cuda_fold import (
 from pagedweight.kernels.reference import ap_fused_moe_reference, ap_linear_reference
 from pagedweight.kernels.testing import random_ap_projection
 from pagedweight.kernels.weights import PT_TABLE
-from tests.support.cuda_kernel_cases import check_graph_replay, rel_err, routing, tol
+from tests.support.cuda_kernel_cases import check_graph_replay, rel_err, routing, sass_of, tol
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the fold kernel is CUDA only")
@@ -55,6 +55,18 @@ def test_every_variant_compiles_for_sm90(mode):
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for cfg in (FoldConfig(1), FoldConfig(2), FoldConfig(1, direct=True)):
             assert compile_to_cubin(prep_defines(cfg, 128, 0, dtype), "90", name="ap_fold_prep")[:4] == b"\x7fELF"
+
+
+def test_plane_copies_carry_the_l2_prefetch_hint():
+    """The default config's cp.async plane copies ask L2 for whole 128-byte lines (LDGSTS .LTC128B); 0 asks for
+    nothing; other sizes are refused."""
+    defaults = sass_of(compile_to_cubin(gemv_defines(0, FoldConfig(1, wk=2), 4, 128, 0), "90"))
+    plain = sass_of(compile_to_cubin(gemv_defines(0, FoldConfig(1, wk=2, l2_prefetch=0), 4, 128, 0), "90"))
+    copies = [line for line in defaults.splitlines() if "LDGSTS" in line]
+    assert copies and all("LTC128B" in line for line in copies)
+    assert "LDGSTS" in plain and "LTC128B" not in plain and "LTC256B" not in plain
+    with pytest.raises(ValueError, match="l2_prefetch"):
+        FoldConfig(l2_prefetch=64)
 
 
 def test_direct_layout_is_refused_where_it_does_not_apply():

@@ -32,7 +32,7 @@ from pagedweight.kernels.cuda_grouped import (
 )
 from pagedweight.kernels.reference import ap_fused_moe_reference
 from pagedweight.kernels.testing import random_ap_projection
-from tests.support.cuda_kernel_cases import check_graph_replay, rel_err, routing, tol
+from tests.support.cuda_kernel_cases import check_graph_replay, rel_err, routing, sass_of, tol
 from tests.test_kernel_fold import _codes_of
 
 HAS_CUDA = torch.cuda.is_available()
@@ -163,6 +163,19 @@ def test_dispatch_rule():
     assert prefer_grouped(256, 2, 8) and prefer_grouped(2048, 8, 128) and prefer_grouped(512, 4, 60)
     assert not prefer_grouped(16, 2, 8) and not prefer_grouped(64, 8, 128) and not prefer_grouped(1, 8, 128)
     assert not prefer_grouped(2048, 2, 8) and not prefer_grouped(8192, 8, 128)
+
+
+def test_l2_prefetch_hint_reaches_both_grouped_kernels():
+    for ws in (False, True):
+        for pf, tag in ((0, None), (128, "LTC128B"), (256, "LTC256B")):
+            cfg = GroupedConfig(wn=1, ws=ws, l2_prefetch=pf)
+            sass = sass_of(compile_to_cubin(gemm_defines(0, cfg, 4, 128, 0), gemm_arch(cfg, "90"), name=cfg.kernel_name,
+                                            source=cfg.source))
+            copies = [line for line in sass.splitlines() if "LDGSTS" in line and ".128" in line]
+            assert copies, "no 16-byte cp.async in the kernel"
+            assert all((tag in line) if tag else ("LTC" not in line) for line in copies), (ws, pf)
+    with pytest.raises(ValueError, match="l2_prefetch"):
+        GroupedConfig(l2_prefetch=64)
 
 
 def test_configs_and_refusals():

@@ -3,10 +3,29 @@ tolerance per activation dtype, the routings, and the CUDA-graph replay over rew
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
 import torch
 
 from pagedweight.kernels import ap_fused_moe
 from pagedweight.kernels.reference import ap_fused_moe_reference
+
+
+def sass_of(cubin: bytes) -> str:
+    """The SASS of a cubin, by the cuobjdump that ships with triton's NVIDIA backend (or one on PATH)."""
+    import triton
+
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    tool = str(bundled) if bundled.exists() else shutil.which("cuobjdump")
+    if tool is None:
+        raise RuntimeError("no cuobjdump: neither triton's NVIDIA backend nor PATH has one")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
