@@ -25,6 +25,8 @@ from kernel_bench import MODELS, graph_time, make_routing  # benchmark/ is on sy
 
 def candidates(c13, c2):
     yield "default", (c13, c2)
+    for pf in (128, 256):
+        yield f"l2_prefetch={pf}", (replace(c13, l2_prefetch=pf), replace(c2, l2_prefetch=pf))
     for mb in (1, 2, 3):
         yield f"min_blocks={mb}", (replace(c13, min_blocks=mb), replace(c2, min_blocks=mb))
     for f, name in ((2, "split x2"), (0.5, "split /2")):

@@ -33,6 +33,9 @@ ROWS_PER_BLOCK = 16 * NWARPS
 N_TILES = (1, 2, 4)  # n-tiles of 8 (token, slot) pairs per block
 _SOURCE = Path(__file__).with_name("cuda_mma_gemv.cu")
 _XT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+# each lane loads 16 bytes of a row; asking L2 for the whole 128-byte line on a miss lets HBM serve whole lines
+# (benchmark/mma_sweep.py, docs/results/kernel.md session 15)
+DEFAULT_L2_PREFETCH = 128
 
 MODE_W13, MODE_W2, MODE_LINEAR = 0, 1, 2
 
@@ -43,6 +46,7 @@ class MMAConfig:
     k_per_split: int  # inputs per block; K slices are summed with float32 atomics
     direct: bool = False  # one pair per block in routing order, its expert read from topk_ids (no alignment)
     min_blocks: int = 1  # blocks per SM the register allocation must allow (__launch_bounds__)
+    l2_prefetch: int = DEFAULT_L2_PREFETCH  # L2 prefetch size (bytes) of the plane loads: 0, 128 or 256
 
     def __post_init__(self) -> None:
         if self.n_tiles not in N_TILES:
@@ -51,6 +55,8 @@ class MMAConfig:
             raise ValueError(f"k_per_split must be a positive multiple of {CHUNK}, got {self.k_per_split}")
         if not 1 <= self.min_blocks <= 16:
             raise ValueError(f"min_blocks must be in 1..16, got {self.min_blocks}")
+        if self.l2_prefetch not in (0, 128, 256):
+            raise ValueError(f"l2_prefetch must be 0, 128 or 256, got {self.l2_prefetch}")
         if self.direct and self.n_tiles != 1:
             raise ValueError("direct (one pair per block) needs n_tiles 1")
 
@@ -103,9 +109,9 @@ def default_mma_config(active_blocks_m: int, n_tiles: int, n: int, k: int, num_s
 
 
 def kernel_defines(mode: int, n_tiles: int, bits_max: int, group_size: int, direct: bool = False,
-                   min_blocks: int = 1) -> list[str]:
+                   min_blocks: int = 1, l2_prefetch: int = DEFAULT_L2_PREFETCH) -> list[str]:
     return [f"-DMODE={mode}", f"-DNT={n_tiles}", f"-DPMAX={bits_max}", f"-DG={group_size}", f"-DDIRECT={int(direct)}",
-            f"-DMINB={min_blocks}"]
+            f"-DMINB={min_blocks}", f"-DL2PF={l2_prefetch}"]
 
 
 def prep_defines(mode: int, x_dtype: torch.dtype) -> list[str]:
@@ -141,7 +147,7 @@ def _launch(mode: int, xp: torch.Tensor, xscale: torch.Tensor, out: torch.Tensor
             grid_m: int, *, topk_weights=None, sorted_ids=None, expert_ids=None, post_pad=None, num_pairs: int,
             topk: int, row_index: int = 0, apply_w_in: bool = False, xp_per_pair: bool = True) -> None:
     kernel = _compiled("ap_mma_gemv", tuple(kernel_defines(mode, cfg.n_tiles, w.bits_max, w.group_size, cfg.direct,
-                                                         cfg.min_blocks)),
+                                                         cfg.min_blocks, cfg.l2_prefetch)),
                        out.device.index or 0)
     dummy = xscale
     grid = (grid_m, -(-w.N // ROWS_PER_BLOCK), -(-w.K // cfg.k_per_split))

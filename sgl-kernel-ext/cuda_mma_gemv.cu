@@ -43,6 +43,9 @@
 #ifndef XT
 #define XT 0
 #endif
+#ifndef L2PF
+#define L2PF 0  // L2 prefetch size of the plane loads: 0 (none), 128 or 256 bytes
+#endif
 #ifndef MINB
 #define MINB 1  // blocks per SM the register allocation must allow (__launch_bounds__)
 #endif
@@ -150,14 +153,30 @@ struct ChunkRegs {
     unsigned short sa, oa, sb, ob;
 };
 
+// one 16-byte plane load (read-only path); L2PF asks L2 to fetch the whole 128 / 256 bytes around it on a miss
+__device__ __forceinline__ uint4 ldg_plane(const void* p) {
+#if L2PF == 0
+    return __ldg((const uint4*)p);
+#else
+    uint4 v;
+#if L2PF == 128
+    asm volatile("ld.global.nc.L2::128B.v4.u32 {%0,%1,%2,%3}, [%4];"
+#else
+    asm volatile("ld.global.nc.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+#endif
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#endif
+}
+
 template <int Q>
 __device__ __forceinline__ void load_chunk(ChunkRegs<Q>& r, const unsigned char* const* planes,
                                            const unsigned short* table, int N, int groups, long long row_bytes,
                                            int ra, int rb, int k) {
 #pragma unroll
     for (int p = 0; p < Q; ++p) {
-        r.pa[p] = __ldg((const uint4*)(planes[p] + ra * row_bytes + k / 8));
-        r.pb[p] = __ldg((const uint4*)(planes[p] + rb * row_bytes + k / 8));
+        r.pa[p] = ldg_plane(planes[p] + ra * row_bytes + k / 8);
+        r.pb[p] = ldg_plane(planes[p] + rb * row_bytes + k / 8);
     }
     if (G >= CHUNK) {
         const int grp = k / G;

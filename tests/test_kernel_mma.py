@@ -30,7 +30,7 @@ from pagedweight.kernels.cuda_mma import (
 )
 from pagedweight.kernels.reference import ap_fused_moe_reference, ap_linear_reference
 from pagedweight.kernels.testing import random_ap_projection
-from tests.support.cuda_kernel_cases import check_graph_replay, rel_err, routing, tol
+from tests.support.cuda_kernel_cases import check_graph_replay, rel_err, routing, sass_of, tol
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the MMA kernel is CUDA only")
@@ -114,6 +114,12 @@ def test_configs_and_dispatch_rules():
         MMAConfig(n_tiles=3, k_per_split=512)
     with pytest.raises(ValueError, match="k_per_split"):
         MMAConfig(n_tiles=1, k_per_split=100)
+    with pytest.raises(ValueError, match="l2_prefetch"):
+        MMAConfig(n_tiles=1, k_per_split=512, l2_prefetch=64)
+    assert MMAConfig(n_tiles=1, k_per_split=512).l2_prefetch == 128  # whole lines by default
+    hinted = sass_of(compile_to_cubin(kernel_defines(0, 1, 4, 128, l2_prefetch=128), "90"))
+    plain = sass_of(compile_to_cubin(kernel_defines(0, 1, 4, 128, l2_prefetch=0), "90"))
+    assert "LDG.E.LTC128B.128" in hinted and "LTC128B" not in plain
     # the MMA kernel takes the sizes between one pair per expert and the tiles (measured, config.py); where
     # both CUDA kernels qualify, ap_fused_moe asks the MMA kernel first
     assert not prefer_mma(1, 2, 8) and not prefer_mma(1, 4, 60) and not prefer_mma(4, 4, 60)
@@ -160,7 +166,7 @@ def test_linear_explicit_configs_and_huge_activations():
     proj = random_ap_projection(1, 520, 640, [5], table_kind="ubcq", bits_min=2, device="cuda")
     x = torch.randn(3, 640, device="cuda")
     ref = ap_linear_reference(x, proj.weights)
-    for cfg in (MMAConfig(1, 128), MMAConfig(4, 384), MMAConfig(2, 640)):
+    for cfg in (MMAConfig(1, 128), MMAConfig(4, 384), MMAConfig(2, 640), MMAConfig(2, 256, l2_prefetch=0)):
         assert rel_err(ap_linear_mma(x, proj.weights, 0, None, cfg), ref) < 5e-3, cfg
     big = torch.randn(3, 640, device="cuda") * torch.tensor([[1.0], [1e6], [3e4]], device="cuda")
     out = ap_linear_mma(big, proj.weights, 0, None)
@@ -201,6 +207,7 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
     ref = ap_fused_moe_reference(x, tw, ids, p13.weights, p2.weights)
     layouts = [(MMAConfig(nt, 128), MMAConfig(nt, 256)) for nt in (1, 2, 4)]
     layouts.append((MMAConfig(1, 512, direct=True), MMAConfig(1, 128, direct=True)))
+    layouts.append((MMAConfig(2, 256, l2_prefetch=0), MMAConfig(2, 128, l2_prefetch=256)))
     for cfgs in layouts:
         out = ap_fused_moe_mma(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
         assert rel_err(out, ref) < 5e-3, cfgs
