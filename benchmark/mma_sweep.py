@@ -5,7 +5,8 @@
 
 Per model (kernel_bench.MODELS) and M: the default MMAConfig pair, then variants of register budget
 (min_blocks), K split and n-tiles, each timed as kernel_bench times a case (whole call in a CUDA graph,
-L2 flushed, median), next to the LUT kernel's default on the same weights and routing.
+L2 flushed, median), next to the LUT kernel's default (and its L2 prefetch-hint variants) on the same weights and
+routing.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from pagedweight.kernels import ap_fused_moe
 from pagedweight.kernels.cuda_mma import N_TILES, STEP, ap_fused_moe_mma, default_moe_mma_configs
+from pagedweight.kernels.cuda_lut import ap_fused_moe_lut, default_moe_lut_configs
 from pagedweight.kernels.testing import random_ap_projection
 
 from kernel_bench import MODELS, graph_time, make_routing  # benchmark/ is on sys.path as a script
@@ -76,7 +78,9 @@ def main() -> None:
             tw, ids = make_routing(M, E, topk, md["renormalize"], M, dev)
             base = default_moe_mma_configs(M, topk, E, w13, w2, dev)
             wanted = {c for c in args.candidates.split(",") if c}
-            for name, cfgs in [("lut", None)] + list(candidates(*base)):
+            lut_base = default_moe_lut_configs(M, topk, E, w13, w2, dev)
+            luts = [(f"lut_l2_prefetch={pf}", tuple(replace(c, l2_prefetch=pf) for c in lut_base)) for pf in (128, 256)]
+            for name, cfgs in [("lut", None)] + luts + list(candidates(*base)):
                 if wanted and name not in wanted:
                     continue
                 row = dict(model=mk, M=M, bits=args.bits, cand=name)
@@ -85,6 +89,8 @@ def main() -> None:
                 try:
                     if cfgs is None:
                         call = lambda: ap_fused_moe(x, tw, ids, w13, w2, kernel="lut")  # noqa: E731
+                    elif name.startswith("lut"):
+                        call = lambda c=cfgs: ap_fused_moe_lut(x, tw, ids, w13, w2, configs=c)  # noqa: E731
                     else:
                         call = lambda c=cfgs: ap_fused_moe_mma(x, tw, ids, w13, w2, configs=c)  # noqa: E731
                     row["us"] = graph_time(call, args.reps, flush)["median"]

@@ -39,6 +39,7 @@ class LUTConfig:
     block_m: int  # (token, slot) pairs of one expert per block (rows of x for a linear): 1, 2, 4 or 8
     n_per_block: int  # output rows per block (a multiple of 256; two threads per row, 128 rows per pass)
     k_per_split: int  # inputs per block; K slices are summed with float32 atomics
+    l2_prefetch: int = 0  # L2 prefetch size (bytes) of the plane loads: 0, 128 or 256
 
     def __post_init__(self) -> None:
         if self.block_m not in (1, 2, 4, 8):
@@ -47,6 +48,8 @@ class LUTConfig:
             raise ValueError(f"n_per_block must be a positive multiple of {NTHREADS}, got {self.n_per_block}")
         if self.k_per_split <= 0 or self.k_per_split % CHUNK:
             raise ValueError(f"k_per_split must be a positive multiple of {CHUNK}, got {self.k_per_split}")
+        if self.l2_prefetch not in (0, 128, 256):
+            raise ValueError(f"l2_prefetch must be 0, 128 or 256, got {self.l2_prefetch}")
 
     def shared_bytes(self) -> int:
         return self.block_m * (self.k_per_split // CHUNK) * TABLE_BYTES_PER_CHUNK
@@ -104,11 +107,11 @@ def default_lut_config(active_blocks_m: int, block_m: int, n: int, k: int, num_s
 
 
 def kernel_defines(mode: int, x_dtype: torch.dtype, block_m: int, bits_max: int, group_size: int,
-                   direct: bool = False, uniform: bool = False) -> list[str]:
+                   direct: bool = False, uniform: bool = False, l2_prefetch: int = 0) -> list[str]:
     """direct: one pair per block in routing order, its expert read from topk_ids (MoE modes, block_m 1);
     uniform: ubcq tables (one scale and the offset per group)."""
     return [f"-DMODE={mode}", f"-DXT={_XT[x_dtype]}", f"-DBM={block_m}", f"-DPMAX={bits_max}", f"-DG={group_size}",
-            f"-DDIRECT={int(direct)}", f"-DUNIFORM={int(uniform)}"]
+            f"-DDIRECT={int(direct)}", f"-DUNIFORM={int(uniform)}", f"-DL2PF={l2_prefetch}"]
 
 
 def compile_to_cubin(defines: list[str], compute_capability: str) -> bytes:
@@ -117,9 +120,9 @@ def compile_to_cubin(defines: list[str], compute_capability: str) -> bytes:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(mode: int, x_dtype: torch.dtype, block_m: int, bits_max: int, group_size: int, direct: bool,
-            uniform: bool, device_index: int):
+            uniform: bool, l2_prefetch: int, device_index: int):
     """The compiled kernel for one variant on one device (compiled once per process)."""
-    defines = kernel_defines(mode, x_dtype, block_m, bits_max, group_size, direct, uniform)
+    defines = kernel_defines(mode, x_dtype, block_m, bits_max, group_size, direct, uniform, l2_prefetch)
     return load_kernel(_SOURCE, "ap_lut_gemv", defines, device_index)
 
 
@@ -129,7 +132,7 @@ def _launch(mode: int, x: torch.Tensor, out: torch.Tensor, w: APMoEWeights, cfg:
     if x.data_ptr() % 16:  # the kernel reads 4 activations per vector load
         x = x.clone()
     kernel = _kernel(mode, x.dtype, cfg.block_m, w.bits_max, w.group_size, direct, w.table_kind == "ubcq",
-                     x.device.index or 0)
+                     cfg.l2_prefetch, x.device.index or 0)
     smem = cfg.shared_bytes()
     if smem > kernel._max_shared_mem_bytes:
         kernel.set_shared_memory_config(smem)

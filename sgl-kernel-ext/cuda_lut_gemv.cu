@@ -78,6 +78,9 @@ __device__ __forceinline__ float lookup(const float* table, u32 byte_offset) {
     return *(const float*)((const char*)table + byte_offset);
 }
 
+// ldg_plane: the plane loads, with the L2 prefetch size L2PF
+#include "plane_load.cuh"
+
 // plane words (one 16-byte load per plane) and the bcq scales (planes 0..q-1, offset at index PMAX) of row n
 // for the 128 inputs from k0; UNIFORM: the one scale at index 0, the offset at index PMAX
 __device__ __forceinline__ void load_chunk(const unsigned char* const* planes, const unsigned short* alphas, int q, int N,
@@ -87,7 +90,7 @@ __device__ __forceinline__ void load_chunk(const unsigned char* const* planes, c
 #pragma unroll
     for (int p = 0; p < PMAX; ++p) {
         if (p < q) {
-            w[p] = __ldg((const uint4*)(planes[p] + n * row_bytes + k0 / 8));
+            w[p] = ldg_plane(planes[p] + n * row_bytes + k0 / 8);
 #if !UNIFORM
             a16[p] = __ldg(alphas + ((long long)p * N + n) * groups + g);
 #endif

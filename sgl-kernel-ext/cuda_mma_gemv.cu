@@ -43,9 +43,6 @@
 #ifndef XT
 #define XT 0
 #endif
-#ifndef L2PF
-#define L2PF 0  // L2 prefetch size of the plane loads: 0 (none), 128 or 256 bytes
-#endif
 #ifndef MINB
 #define MINB 1  // blocks per SM the register allocation must allow (__launch_bounds__)
 #endif
@@ -153,21 +150,8 @@ struct ChunkRegs {
     unsigned short sa, oa, sb, ob;
 };
 
-// one 16-byte plane load (read-only path); L2PF asks L2 to fetch the whole 128 / 256 bytes around it on a miss
-__device__ __forceinline__ uint4 ldg_plane(const void* p) {
-#if L2PF == 0
-    return __ldg((const uint4*)p);
-#else
-    uint4 v;
-#if L2PF == 128
-    asm volatile("ld.global.nc.L2::128B.v4.u32 {%0,%1,%2,%3}, [%4];"
-#else
-    asm volatile("ld.global.nc.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
-#endif
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-#endif
-}
+// ldg_plane: the plane loads, with the L2 prefetch size L2PF
+#include "plane_load.cuh"
 
 template <int Q>
 __device__ __forceinline__ void load_chunk(ChunkRegs<Q>& r, const unsigned char* const* planes,

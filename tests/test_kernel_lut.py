@@ -28,7 +28,7 @@ from pagedweight.kernels.cuda_lut import (
 )
 from pagedweight.kernels.reference import ap_fused_moe_reference, ap_linear_reference
 from pagedweight.kernels.testing import random_ap_projection
-from tests.support.cuda_kernel_cases import check_graph_replay, rel_err, routing, tol
+from tests.support.cuda_kernel_cases import check_graph_replay, rel_err, routing, sass_of, tol
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the LUT kernel is CUDA only")
@@ -63,6 +63,8 @@ def test_config_validation_and_shared_memory_cap():
         LUTConfig(block_m=1, n_per_block=100, k_per_split=128)
     with pytest.raises(ValueError, match="k_per_split"):
         LUTConfig(block_m=1, n_per_block=256, k_per_split=200)
+    with pytest.raises(ValueError, match="l2_prefetch"):
+        LUTConfig(block_m=1, n_per_block=256, k_per_split=128, l2_prefetch=64)
     for bm in (1, 2, 4, 8):
         for k in (128, 1408, 4096, 14336):
             cfg = default_lut_config(1, bm, 4096, k, num_sms=132)
@@ -74,6 +76,15 @@ def test_config_validation_and_shared_memory_cap():
     large = default_lut_config(512, 1, 28672, 4096, num_sms=132)
     assert small.k_per_split < large.k_per_split
     assert LUTConfig(1, 256, 2 * large.k_per_split).shared_bytes() > MAX_SHARED_BYTES  # as wide as shared memory allows
+
+
+def test_plane_loads_carry_the_l2_prefetch_hint():
+    for pf, tag in ((0, None), (128, "LTC128B"), (256, "LTC256B")):
+        sass = sass_of(compile_to_cubin(kernel_defines(1, torch.bfloat16, 1, 4, 128, uniform=True, l2_prefetch=pf),
+                                        "90"))
+        loads = [line for line in sass.splitlines() if "LDG.E" in line and ".128" in line]
+        assert loads, "no 16-byte plane load in the kernel"
+        assert any(tag in line for line in loads) if tag else not any("LTC" in line for line in loads), pf
 
 
 def test_prefer_lut_follows_pairs_per_expert():
@@ -165,9 +176,10 @@ def test_moe_matches_reference(kind, num_experts, topk, m, pattern):
     x = torch.randn(m, hidden, device="cuda")
     ref = ap_fused_moe_reference(x, tw, ids, p13.weights, p2.weights)
     for bm in (1, 2, 4, 8):
-        cfgs = (LUTConfig(bm, 256, 128), LUTConfig(bm, 512, 256))
-        out = ap_fused_moe_lut(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
-        assert rel_err(out, ref) < 5e-3, bm
+        for pf in (0, 128):
+            cfgs = (LUTConfig(bm, 256, 128, pf), LUTConfig(bm, 512, 256, pf))
+            out = ap_fused_moe_lut(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
+            assert rel_err(out, ref) < 5e-3, (bm, pf)
 
 
 @needs_cuda
