@@ -161,7 +161,7 @@ def headline(results: list[dict[str, Any]]) -> dict[str, Any]:
         "servers_died": sum(bool(r.get("server_died")) for r in results),
         "digest_mismatches": tp.get("digest_mismatches"),
         # host time of the source rank's PagedWeight step per scheduler iteration and of its TP agreement
-        # (issue #20: the per-step tax), every rank's agreement time, and the pickled report's size
+        # (issue #20: the per-step tax), every rank's agreement time, and the most bytes a rank sent in one exchange
         "step_overhead_us": _pct(pw.get("step_us_end")),
         "agreement_us": _pct(tp.get("agreement_us")),
         "rank_agreement_us": [_pct(h) for h in tp.get("rank_agreement_us") or []],

@@ -196,6 +196,9 @@ def test_exchange_keeps_ranks_identical(tmp_path):
     assert [h["count"] for h in r0["tp"]["rank_agreement_us"]] == [STEPS - 1, STEPS - 1]
     assert r1["tp"]["rank_agreement_us"] == r0["tp"]["rank_agreement_us"]  # the same reports reach both ranks
     assert 0 < r0["tp"]["report_bytes"]["last"] <= r0["tp"]["report_bytes"]["max"] < 64 * 1024
+    # the pickled exchange runs on the iterations that carry routing statistics (here every one: the ranks
+    # sample every step), on both ranks alike
+    assert r0["tp"]["object_exchanges"] == r1["tp"]["object_exchanges"] == STEPS
 
 
 @pytest.mark.timeout(600)
@@ -330,3 +333,48 @@ def test_make_tp_sync_routes_every_fence_source_through_the_ledger(tmp_path):
     assert fence.seq == 0 and not fence.query()  # a KV release fence is now a ledger fence
     assert pager.fences.record().seq == 1 and pager.copier.copy([]).seq == 2
     assert sync.ledger.recorded == 3
+
+
+class _DoneEvent:
+    def done(self) -> bool:
+        return True
+
+
+def test_report_row_round_trips_inputs_and_digest():
+    from pagedweight.tp_sync import FLAG_FENCES, FLAG_PAYLOAD, FLAG_SRC, ROW, RankDigest, StepInputs, pack_report
+    from pagedweight.tp_sync import unpack_digest, unpack_inputs
+
+    local = StepInputs(available_blocks=7, evictable_blocks=3, now_s=12.345678901234, routing={(0, 1): 0.5},
+                       waiting_blocks=9, reloads_held=True)
+    digest = RankDigest(iteration=41, commits_crc=0xDEADBEEF, transitions=5, bytes_to_kv=1 << 40,
+                        kv_capacity_tokens=123456, kv_available_tokens=789, fences_recorded=33)
+    row = pack_report(local, True, tuple(range(20)), digest, 17.25)
+    assert row.shape == (ROW,) and row.dtype == torch.int64
+    values = row.tolist()
+    assert values[0] == FLAG_PAYLOAD | FLAG_FENCES | FLAG_SRC
+    assert unpack_digest(values) == digest
+    back = unpack_inputs(values, None, None)
+    assert back == StepInputs(7, 3, 12.345678901234, None, 9, True, None)  # the float's bits, exactly
+    quiet = pack_report(StepInputs(1, 2, 0.5, None), False, (4, 5), digest, 0.0).tolist()
+    assert quiet[0] == 0  # nothing to send beyond the row: no pickled exchange
+
+
+def test_fences_beyond_the_row_are_agreed_through_the_pickled_exchange(tmp_path):
+    """A rank that completed more fences than the row holds sends them all in the second exchange."""
+    from pagedweight.runtime.fence_ledger import FenceLedger
+    from pagedweight.tp_sync import FENCE_SLOTS, RankDigest, StepInputs, TpStepSync
+
+    ledger = FenceLedger()
+    fences = [ledger.track(_DoneEvent()) for _ in range(FENCE_SLOTS + 5)]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        sync = TpStepSync(dist.group.WORLD, 0, True, ledger)
+        digest = RankDigest(1, 0, 0, 0, 100, 50, len(fences))
+        out = sync(StepInputs(4, 0, 1.0, None), digest)
+        assert out == StepInputs(4, 0, 1.0, None)
+        assert all(f.done() for f in fences) and ledger.agreed == len(fences)
+        assert sync.object_exchanges == 1
+        sync(StepInputs(4, 0, 2.0, None), digest)  # nothing pending, no payload: the row alone
+        assert sync.object_exchanges == 1 and sync.exchanges == 2
+    finally:
+        dist.destroy_process_group()

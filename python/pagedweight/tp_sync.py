@@ -2,8 +2,9 @@
 
 Each TP rank holds its shard of every expert block and runs its own pager and elastic KV cache, so all
 ranks must commit the same bitwidths and move the same number of KV tokens at the same scheduler
-iteration. Two things differ between ranks and are agreed on once per iteration, in one collective over
-the TP CPU group:
+iteration. Two things differ between ranks and are agreed on once per iteration over the TP CPU group, in
+one all-gather of a fixed int64 row per rank (plus a pickled exchange on the iterations that carry routing
+statistics or traffic):
 
 - the step's inputs: a policy reads the clock and the routing statistics (the runtime's routing mass and,
   for the quality policy, the traffic its RoutingObserver recorded), which a rank samples at its own moments
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import struct
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
@@ -62,19 +64,58 @@ class RankDigest:
     fences_recorded: int
 
 
-@dataclass(frozen=True)
-class _RankReport:
-    inputs: Optional[StepInputs]  # the source rank's only
-    fences_done: tuple[int, ...]
-    digest: RankDigest
-    last_agreement_us: float  # how long this rank's previous exchange took (0 before the first)
+# The fixed-size part of a rank's report: one int64 row, gathered as a tensor every iteration. Floats travel as
+# their IEEE-754 bits. Fields of StepInputs other than the routing and traffic payloads, the digest, the rank's
+# previous exchange time, and up to FENCE_SLOTS completed fence numbers.
+FENCE_SLOTS = 16
+_FLAGS, _AVAILABLE, _EVICTABLE, _NOW, _WAITING, _HELD, _LAST_US, _DIGEST = 0, 1, 2, 3, 4, 5, 6, 7
+_DIGEST_FIELDS = tuple(RankDigest.__dataclass_fields__)
+_N_DONE = _DIGEST + len(_DIGEST_FIELDS)
+_FENCES = _N_DONE + 1
+ROW = _FENCES + FENCE_SLOTS
+FLAG_PAYLOAD = 1  # the source rank has routing statistics or traffic to send this iteration
+FLAG_FENCES = 2  # this rank completed more fences than the row holds
+FLAG_SRC = 4  # this row is the source rank's: its inputs are the ones every rank uses
 
 
-SIZE_EVERY = 64  # exchanges between two measurements of a report's pickled size
+def _f2i(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _i2f(x: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", x))[0]
+
+
+def pack_report(local: StepInputs, is_src: bool, done: tuple[int, ...], digest: RankDigest,
+                last_us: float) -> torch.Tensor:
+    row = [0] * ROW
+    payload = is_src and (local.routing is not None or local.traffic is not None)
+    row[_FLAGS] = ((FLAG_PAYLOAD if payload else 0) | (FLAG_FENCES if len(done) > FENCE_SLOTS else 0)
+                   | (FLAG_SRC if is_src else 0))
+    row[_AVAILABLE], row[_EVICTABLE] = local.available_blocks, local.evictable_blocks
+    row[_NOW], row[_WAITING], row[_HELD] = _f2i(local.now_s), local.waiting_blocks, int(local.reloads_held)
+    row[_LAST_US] = _f2i(last_us)
+    for i, name in enumerate(_DIGEST_FIELDS):
+        row[_DIGEST + i] = int(getattr(digest, name))
+    row[_N_DONE] = len(done)
+    row[_FENCES:_FENCES + min(len(done), FENCE_SLOTS)] = done[:FENCE_SLOTS]
+    return torch.tensor(row, dtype=torch.int64)
+
+
+def unpack_digest(row: list[int]) -> RankDigest:
+    return RankDigest(**{name: row[_DIGEST + i] for i, name in enumerate(_DIGEST_FIELDS)})
+
+
+def unpack_inputs(row: list[int], routing: Any, traffic: Any) -> StepInputs:
+    return StepInputs(available_blocks=row[_AVAILABLE], evictable_blocks=row[_EVICTABLE], now_s=_i2f(row[_NOW]),
+                      routing=routing, waiting_blocks=row[_WAITING], reloads_held=bool(row[_HELD]), traffic=traffic)
 
 
 class TpStepSync:
-    """One all-gather per iteration: the source rank's inputs, agreed fences, digests of every rank."""
+    """One small tensor all-gather per iteration (the source rank's scalar inputs, every rank's completed fences
+    and digest); a second, pickled exchange only on iterations where the source rank has routing statistics or
+    traffic to send, or a rank completed more fences than the row holds (decided from the gathered rows, so every
+    rank takes the same path)."""
 
     def __init__(self, group: Any, src_global_rank: int, is_src: bool, ledger: Optional[FenceLedger] = None):
         self.group = group
@@ -83,10 +124,11 @@ class TpStepSync:
         self.ledger = ledger  # None: fences are each rank's own (tests' control runs only)
         self.world_size = dist.get_world_size(group)
         self.exchanges = 0
+        self.object_exchanges = 0  # exchanges that also moved pickled payloads
         self.digest_mismatches = 0
         self.last_digests: list[RankDigest] = []
-        # Time of this rank's exchange (the collective, pickling included), and of every rank's as they report
-        # it one exchange later; the pickled size of this rank's report, sampled every SIZE_EVERY exchanges.
+        # Time of this rank's exchange (both collectives), and of every rank's as they report it one exchange
+        # later; the bytes this rank sent (the row, plus the pickled payload when there was one).
         self.agreement = LatencyHistogram()
         self.rank_agreement = [LatencyHistogram() for _ in range(self.world_size)]
         self.report_bytes_max = 0
@@ -96,22 +138,41 @@ class TpStepSync:
     def __call__(self, local: StepInputs, digest: RankDigest) -> StepInputs:
         t0 = time.perf_counter()
         done = self.ledger.local_done() if self.ledger is not None else ()
-        report = _RankReport(local if self.is_src else None, done, digest, self._last_us)
-        if self.exchanges % SIZE_EVERY == 0:
-            self.report_bytes_last = len(pickle.dumps(report))
-            self.report_bytes_max = max(self.report_bytes_max, self.report_bytes_last)
-        reports: list[Any] = [None] * self.world_size
-        dist.all_gather_object(reports, report, group=self.group)
+        row = pack_report(local, self.is_src, done, digest, self._last_us)
+        rows_t = [torch.empty_like(row) for _ in range(self.world_size)]
+        dist.all_gather(rows_t, row, group=self.group)
+        rows = [r.tolist() for r in rows_t]
+        flags = 0
+        for r in rows:
+            flags |= r[_FLAGS] & (FLAG_PAYLOAD | FLAG_FENCES)
+        sent = ROW * 8
+        routing = traffic = None
+        fences_by_rank = [tuple(r[_FENCES:_FENCES + r[_N_DONE]]) for r in rows]
+        if flags:
+            mine = (local.routing, local.traffic) if self.is_src else None
+            extra = (mine, done if len(done) > FENCE_SLOTS else None)
+            sent += len(pickle.dumps(extra))
+            extras: list[Any] = [None] * self.world_size
+            dist.all_gather_object(extras, extra, group=self.group)
+            self.object_exchanges += 1
+            for i, (payload, all_done) in enumerate(extras):
+                if payload is not None:
+                    routing, traffic = payload
+                if all_done is not None:
+                    fences_by_rank[i] = tuple(all_done)
+        self.report_bytes_last = sent
+        self.report_bytes_max = max(self.report_bytes_max, sent)
         self.exchanges += 1
         if self.exchanges > 1:
-            for hist, r in zip(self.rank_agreement, reports):
-                hist.add(r.last_agreement_us)
+            for hist, r in zip(self.rank_agreement, rows):
+                hist.add(_i2f(r[_LAST_US]))
         if self.ledger is not None:
-            self.ledger.agree([r.fences_done for r in reports])
-        self._check([r.digest for r in reports])
+            self.ledger.agree(fences_by_rank)
+        self._check([unpack_digest(r) for r in rows])
         self._last_us = (time.perf_counter() - t0) * 1e6
         self.agreement.add(self._last_us)
-        return next(r.inputs for r in reports if r.inputs is not None)
+        src_row = next(r for r in rows if r[_FLAGS] & FLAG_SRC)
+        return unpack_inputs(src_row, routing, traffic)
 
     def _check(self, digests: list[RankDigest]) -> None:
         self.last_digests = digests
@@ -128,15 +189,16 @@ class TpStepSync:
         return {
             "world_size": self.world_size,
             "exchanges": self.exchanges,
+            "object_exchanges": self.object_exchanges,
             "digest_mismatches": self.digest_mismatches,
             "fences_agreed": self.ledger.agreed if self.ledger is not None else None,
             "fences_pending": self.ledger.pending if self.ledger is not None else None,
             "ranks": [asdict(d) for d in self.last_digests],
             "agreement_us": self.agreement.state(),
-            # every rank's exchange time as it reported it (one exchange late), and the report's pickled size:
-            # all_gather_object moves world_size of them to every rank
+            # every rank's exchange time as it reported it (one exchange late), and the bytes this rank sent
+            # (every rank receives world_size of them)
             "rank_agreement_us": [h.state() for h in self.rank_agreement],
-            "report_bytes": {"last": self.report_bytes_last, "max": self.report_bytes_max, "every": SIZE_EVERY},
+            "report_bytes": {"last": self.report_bytes_last, "max": self.report_bytes_max, "row": ROW * 8},
         }
 
 
