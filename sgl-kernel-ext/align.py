@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedweight.kernels.align_sizes import aligned_sizes
 from pagedweight.kernels.triton_align import moe_align_block_size_triton
 
 
@@ -32,23 +33,6 @@ class MoEAlignment:
     @property
     def max_blocks(self) -> int:
         return self.expert_ids.numel()
-
-
-def aligned_sizes(num_pairs: int, num_experts: int, block_size: int) -> tuple[int, int]:
-    """(max_padded, max_blocks): every expert may waste block_size - 1 slots."""
-    max_padded = num_pairs + num_experts * (block_size - 1)
-    max_blocks = -(-max_padded // block_size)
-    return max_blocks * block_size, max_blocks
-
-
-def alignment_buffers(num_pairs: int, num_experts: int, block_size: int, device
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-    """Uninitialised (sorted_ids, expert_ids, num_tokens_post_padded, max_padded, max_blocks) for one kernel's
-    alignment (the Triton and CUDA versions fill them)."""
-    max_padded, max_blocks = aligned_sizes(num_pairs, num_experts, block_size)
-    return (torch.empty(max_padded, dtype=torch.int32, device=device),
-            torch.empty(max_blocks, dtype=torch.int32, device=device),
-            torch.empty(1, dtype=torch.int32, device=device), max_padded, max_blocks)
 
 
 def moe_align_block_size_torch(topk_ids: torch.Tensor, block_size: int, num_experts: int) -> MoEAlignment:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from pagedweight.kernels.align_sizes import alignment_buffers
 from pagedweight.kernels.nvrtc import cached_kernel, compile_cubin
 
 _SOURCE = Path(__file__).with_name("cuda_align.cu")
@@ -29,7 +30,6 @@ def compile_to_cubin(compute_capability: str) -> bytes:
 
 def moe_align_block_size_cuda(topk_ids: torch.Tensor, block_size: int, num_experts: int
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from pagedweight.kernels.align import alignment_buffers
 
     if not 1 <= num_experts <= MAX_EXPERTS:
         raise ValueError(f"the CUDA alignment takes 1..{MAX_EXPERTS} experts, got {num_experts}")

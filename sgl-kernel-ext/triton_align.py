@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedweight.kernels.align_sizes import alignment_buffers
+
 
 @triton.jit
 def _moe_align_kernel(
@@ -72,7 +74,6 @@ def _moe_align_kernel(
 def moe_align_block_size_triton(
     topk_ids: torch.Tensor, block_size: int, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from pagedweight.kernels.align import alignment_buffers
 
     flat = topk_ids.reshape(-1).contiguous()
     num_pairs = flat.numel()

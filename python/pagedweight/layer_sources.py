@@ -13,7 +13,7 @@ import torch
 
 from pagedweight.config import PagedWeightConfig
 from pagedweight.format.layout import DEFAULT_TABLE_KIND, BlockSpec
-from pagedweight.moe_method import LayerSource
+from pagedweight.moe_method import LayerSource, layer_geometry
 from pagedweight.runtime.expert_store import ExpertPlanes, MoELayerStore, ProjectionStore
 
 logger = logging.getLogger(__name__)
@@ -60,11 +60,6 @@ def group_size_for(k: int, preferred: int = DUMMY_GROUP) -> int:
 def _pin(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host copies are pinned on CUDA machines so reloads can copy asynchronously."""
     return t.pin_memory() if device.type == "cuda" else t
-
-
-def layer_geometry(layer: torch.nn.Module) -> tuple[int, int, int]:
-    """(local experts, hidden size, intermediate size per partition) of a FusedMoE layer."""
-    return layer.num_local_experts, layer.hidden_size, layer.intermediate_size_per_partition
 
 
 class DummyLayerSource(LayerSource):

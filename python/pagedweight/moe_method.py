@@ -98,6 +98,11 @@ class PagedWeightMoEMethod(FusedMoEMethodBase):
         return StandardCombineInput(hidden_states=out)
 
 
+def layer_geometry(layer: torch.nn.Module) -> tuple[int, int, int]:
+    """(local experts, hidden size, intermediate size per partition) of a FusedMoE layer."""
+    return layer.num_local_experts, layer.hidden_size, layer.intermediate_size_per_partition
+
+
 class LayerSource(abc.ABC):
     """Where a layer's planes come from (an AP checkpoint, or random planes for --load-format dummy)."""
 
