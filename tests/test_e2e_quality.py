@@ -16,7 +16,7 @@ from tests.support.logprob_probe import distributions, mean_kl
 pytestmark = pytest.mark.e2e
 
 PROMPT = "the cat sat on the mat and the dog ran in the park while the sun was bright over the hills"
-PARENT_KL_BOUND = 1e-3
+PARENT_KL_BOUND = 1e-5  # measured 2.3e-7 at 8 bits (the parent): a wrong scale or plane order is far above
 
 
 def test_kl_to_bf16_is_small_at_parent_and_grows_as_bits_drop(tiny_qwen2_moe, ap_qwen2_moe, server_env):

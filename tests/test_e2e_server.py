@@ -42,20 +42,22 @@ def test_generate(server):
     assert body["meta_info"]["completion_tokens"] == 12
 
 
-def test_generate_is_deterministic_under_greedy(server):
-    payload = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
-    a = requests.post(server.url + "/generate", json=payload, timeout=120).json()["text"]
-    b = requests.post(server.url + "/generate", json=payload, timeout=120).json()["text"]
-    assert a == b
+def _greedy(server, text: str, n: int) -> str:
+    body = {"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    r = requests.post(server.url + "/generate", json=body, timeout=120)
+    r.raise_for_status()
+    return r.json()["text"]
 
 
 def test_openai_completions(server):
+    """The OpenAI route serves the same model and sampling as /generate: the same greedy continuation."""
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
-    resp = client.completions.create(model="default", prompt="Hello there", max_tokens=8, temperature=0)
-    assert resp.choices[0].text
-    assert resp.usage.completion_tokens > 0
+    resp = client.completions.create(model="default", prompt="Hello there", max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert resp.usage.completion_tokens == 8
+    assert resp.choices[0].text == _greedy(server, "Hello there", 8)
 
 
 def test_openai_chat_completions(server):
@@ -63,10 +65,11 @@ def test_openai_chat_completions(server):
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
     resp = client.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": "Say something."}], max_tokens=8, temperature=0
+        model="default", messages=[{"role": "user", "content": "Say something."}], max_tokens=8, temperature=0,
+        extra_body={"ignore_eos": True},
     )
-    assert resp.choices[0].message.content is not None
-    assert resp.usage.completion_tokens > 0
+    assert resp.usage.completion_tokens == 8 and resp.choices[0].finish_reason == "length"
+    assert resp.choices[0].message.content
 
 
 def test_frontend_program(server):
@@ -80,8 +83,19 @@ def test_frontend_program(server):
 
     backend = sgl.RuntimeEndpoint(server.url)
     state = two_steps.run(topic="rivers", backend=backend)
-    assert isinstance(state["first"], str) and isinstance(state["second"], str)
-    assert "Topic: rivers" in state.text()
+    assert state.text().startswith("Topic: rivers\nFirst: ")
+    # each gen continues the program's text so far exactly as /generate continues that text
+    first_prompt = "Topic: rivers\nFirst: "
+    assert state["first"] == _greedy_stop(server, first_prompt, 6)
+    second_prompt = first_prompt + state["first"] + "\nSecond: "
+    assert state["second"] == _greedy_stop(server, second_prompt, 6)
+
+
+def _greedy_stop(server, text: str, n: int) -> str:  # as sgl.gen asks: eos may end it early
+    body = {"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0}}
+    r = requests.post(server.url + "/generate", json=body, timeout=120)
+    r.raise_for_status()
+    return r.json()["text"]
 
 
 def test_startup_log_reports_expert_memory(server):

@@ -402,10 +402,16 @@ def test_static_policy_never_plans():
 def test_make_policy(tmp_path):
     calib = make_calib(1, 2)
     assert isinstance(make_policy("static"), StaticPolicy)
-    assert isinstance(make_policy("hotness", options={"interval_s": 2.0}), HotnessPolicy)
-    assert isinstance(make_policy("quality", calib, {"alpha": 0.5}), QualityPolicy)
+    hot = make_policy("hotness", options={"interval_s": 2.0})
+    assert isinstance(hot, HotnessPolicy) and hot.options.interval_s == 2.0
+    assert hot.options.ema == HotnessPolicy().options.ema  # options not named keep their defaults
+    q = make_policy("quality", calib, {"alpha": 0.5})
+    assert isinstance(q, QualityPolicy) and q.options.alpha == 0.5 and q.calib is calib
     calib.save(tmp_path / "calibration.json")
-    assert isinstance(make_policy("quality", tmp_path), QualityPolicy)
+    loaded = make_policy("quality", tmp_path)
+    assert isinstance(loaded, QualityPolicy) and loaded.options == QualityPolicy(calib).options
+    assert (loaded.calib.num_layers, loaded.calib.num_experts) == (1, 2)
+    assert (loaded.calib.routing_mass == calib.routing_mass).all()
     with pytest.raises(ValueError, match="needs a calibration"):
         make_policy("quality")
     with pytest.raises(ValueError, match="unknown option"):

@@ -30,8 +30,16 @@ def make_table(desired: list[int], floor: int = 2, ceiling: int = 8) -> Table:
     return Table(rows)
 
 
-def test_row_satisfies_protocol() -> None:
-    assert isinstance(make_table([8]).row(0), BlockView)
+def test_runtime_row_answers_what_a_policy_reads() -> None:
+    """The runtime's BlockRow is what a policy sees: every BlockView field holds the row's own values and
+    bytes_at is the spec's M^b (a policy's damage-per-byte ranking divides by it)."""
+    assert list(BlockView.__annotations__) == ["block_id", "key", "spec", "committed_bits", "desired_bits",
+                                               "floor_bits", "ceiling_bits"]
+    row = make_table([5, 6], floor=3, ceiling=7).row(1)
+    assert (row.block_id, row.key, row.spec) == (1, BlockKey(layer=0, expert=0, proj="w13"), SPEC)
+    assert (row.committed_bits, row.desired_bits, row.floor_bits, row.ceiling_bits) == (6, 6, 3, 7)
+    assert [row.bytes_at(b) for b in (2, 5, 8)] == [SPEC.bytes_at(b) for b in (2, 5, 8)]
+    assert row.bytes_at(4) - row.bytes_at(3) == SPEC.plane_bytes() + SPEC.table_bytes(4) - SPEC.table_bytes(3)
 
 
 def test_validate_rejects_bad_steps() -> None:
