@@ -107,7 +107,7 @@ def main() -> None:
 
 
 def replay_median_us(graph, reps: int) -> float:
-    """Median microseconds of one replay of a captured CUDA graph (benchmark/linear_bench.py, lut_gemv_probe.py)."""
+    """Median microseconds of one replay of a captured CUDA graph (as benchmark/linear_bench.py times them)."""
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for a, b in ev:
         a.record()

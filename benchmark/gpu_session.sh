@@ -4,8 +4,7 @@
 #   bash benchmark/gpu_session.sh kernels   # GPU correctness tests + SGLang baseline + AP kernel benchmark
 #   bash benchmark/gpu_session.sh prefill   # MoE kernel tests + prefill sizes (M 256, 2048) side by side with SGLang's
 #                                           # kernels: dense GEMMs on SGLang's kernel vs ours after dequantization
-#   bash benchmark/gpu_session.sh lut       # probes, no devicekit needed: activation-LUT GEMV (benchmark/lut_gemv_probe.py)
-#                                           # and the prefill dequantization alone (benchmark/dequant_sweep.py)
+#   bash benchmark/gpu_session.sh lut       # the prefill dequantization alone (benchmark/dequant_sweep.py; no devicekit)
 #   bash benchmark/gpu_session.sh dequant   # kernel GPU tests + the prefill dequantization alone, CUDA vs Triton (no devicekit)
 #   bash benchmark/gpu_session.sh ubcq      # GPU kernel tests (every table kind) + ubcq vs bcq: MoE at 4 bits, M 1..2048,
 #                                           # and the prefill dequantization alone (no devicekit)
@@ -131,7 +130,6 @@ if [ "$stage" = prefill ]; then
 fi
 
 if [ "$stage" = lut ]; then
-  timeout 300 python3 benchmark/lut_gemv_probe.py --out "$OUT/lut_probe.json" --budget-s 230 2>&1 | grep -v "^{" | tail -12
   timeout 200 python3 benchmark/dequant_sweep.py --out "$OUT/dequant_sweep.json" --budget-s 150 2>&1 | tail -2
 fi
 
