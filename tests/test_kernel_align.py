@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedweight.kernels.align import aligned_sizes, moe_align_block_size, moe_align_block_size_torch
-from tests.test_kernel_support import HAS_CUDA, INTERPRET, KERNEL_DEVICE, needs_kernel_device, run_under_interpreter
+from tests.support.triton_kernels import HAS_CUDA, INTERPRET, KERNEL_DEVICE, needs_kernel_device, run_under_interpreter
 
 
 def oracle(ids: torch.Tensor, bs: int, e: int):

@@ -9,7 +9,7 @@ from pagedweight.kernels import APKernelConfig, ap_fused_moe, ap_linear
 from pagedweight.kernels.reference import ap_fused_moe_reference, dequantize_expert
 from pagedweight.kernels.testing import random_ap_projection
 from pagedweight.kernels.weights import APMoEWeights
-from tests.test_kernel_support import HAS_CUDA, INTERPRET, KERNEL_DEVICE, needs_kernel_device, rel_err, run_under_interpreter, tolerance
+from tests.support.triton_kernels import HAS_CUDA, INTERPRET, KERNEL_DEVICE, needs_kernel_device, rel_err, run_under_interpreter, tolerance
 
 
 @needs_kernel_device

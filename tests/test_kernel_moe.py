@@ -10,7 +10,7 @@ import torch
 from pagedweight.kernels import APKernelConfig, ap_fused_moe
 from pagedweight.kernels.reference import ap_fused_moe_reference
 from pagedweight.kernels.testing import random_ap_projection
-from tests.test_kernel_support import (
+from tests.support.triton_kernels import (
     HAS_CUDA,
     INTERPRET,
     KERNEL_DEVICE,

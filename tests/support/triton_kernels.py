@@ -1,4 +1,4 @@
-"""Shared set-up of the kernel tests (no tests here): where the Triton kernels run in this process.
+"""Shared set-up of the Triton kernel tests: where the Triton kernels run in this process.
 
 Triton decides interpreted vs compiled when a kernel is decorated, so a process runs the kernels either
 compiled on CUDA or interpreted on CPU (TRITON_INTERPRET=1 set before import). Without both, the kernel
