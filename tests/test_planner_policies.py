@@ -441,3 +441,26 @@ def test_policies_on_the_runtime_page_table():
         assert -plan_bytes_delta(table, plan) <= 1000
         for bid, bits in before.items():
             table.set_desired(bid, bits)
+
+
+def test_every_policy_answers_refresh_and_only_ranking_ones_change_their_plans():
+    """refresh is part of the Policy interface: the serving loop calls it on every policy when routing
+    statistics arrive. Policies that rank nothing plan exactly as before; the quality policy re-ranks by the
+    new traffic (all routing on one expert makes the other the first to lose a bit, whatever the sensitivities)."""
+    from pagedweight.planner.scripted_policy import ScriptedPolicy
+
+    hot_obs = Observation(iteration=1, now_s=1.0, routing_counts={(0, 1): 1000.0})
+    for policy in (StaticPolicy(), ScriptedPolicy(), HotnessPolicy()):
+        table = make_table(1, 2)
+        before = policy.plan(table, 1, OBS).steps
+        policy.refresh(table, hot_obs)
+        assert policy.plan(table, 1, OBS).steps == before, type(policy).__name__
+    # the quality policy keeps what refresh folded: its next plan (asked without routing) follows the traffic
+    for hot_expert, lowered in ((1, 0), (0, 1)):
+        for seed in range(3):
+            quality = QualityPolicy(make_calib(1, 2, mass=np.array([[0.5, 0.5]]), seed=seed),
+                                    QualityOptions(prior_tokens=1.0))
+            table = make_table(1, 2)
+            quality.refresh(table, Observation(iteration=1, now_s=1.0, routing_counts={(0, hot_expert): 1000.0}))
+            (first,) = quality.plan(table, 1, OBS).steps
+            assert table.row(first.block_id).key.expert == lowered, (hot_expert, seed)

@@ -22,7 +22,8 @@ from pagedweight.runtime.budget import MemoryBudget
 from pagedweight.runtime.controller import PagingController
 from pagedweight.runtime.page_table import PlaneState, WeightPageTable, arena_size_classes
 from pagedweight.runtime.pager import OpPhase, Pager, PagerConfig
-from pagedweight.runtime.planner_api import Observation, Plan, ScriptedPolicy
+from pagedweight.planner.scripted_policy import ScriptedPolicy
+from pagedweight.runtime.planner_api import Observation, Plan
 from pagedweight.runtime.pressure import KVPressureSignal
 
 LAYERS, EXPERTS = 2, 2

@@ -1,4 +1,5 @@
-"""Plan validation and the deterministic ScriptedPolicy, against a minimal PageTableView."""
+"""Plan validation and the deterministic ScriptedPolicy (planner/scripted_policy.py), against a minimal
+PageTableView."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from hypothesis import given, settings, strategies as st
 from pagedweight.format.layout import BlockSpec
 from pagedweight.runtime.blocks import BlockKey
 from tests.support.fake_page_table import Row, Table
+from pagedweight.planner.scripted_policy import ScriptedPolicy
 from pagedweight.runtime.planner_api import (
     BlockView,
     Observation,
     Plan,
-    ScriptedPolicy,
     plan_bytes_delta,
     validate_plan,
 )

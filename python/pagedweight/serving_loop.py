@@ -27,7 +27,8 @@ from pagedweight.latency_histogram import LatencyHistogram
 from pagedweight.paged_runtime import PagedRuntime
 from pagedweight.planner.choice import PolicyChoice, choose_policy
 from pagedweight.runtime.controller import PagingController
-from pagedweight.runtime.planner_api import Observation, Policy, ScriptedPolicy
+from pagedweight.planner.scripted_policy import ScriptedPolicy
+from pagedweight.runtime.planner_api import Observation, Policy
 from pagedweight.runtime.pressure import KVPressureSignal
 from pagedweight.tp_sync import RankDigest, StepInputs, TpStepSync, make_tp_sync
 
@@ -197,9 +198,8 @@ class PagedWeightScheduler:
         if inputs.routing is not None:
             self._routing = dict(inputs.routing)
         obs = Observation(iteration=self.iteration, now_s=inputs.now_s, routing_counts=self._routing)
-        refresh = getattr(self.controller.policy, "refresh", None)
-        if refresh is not None and inputs.routing is not None:
-            refresh(self.runtime.table, obs)  # the quality policy re-ranks its plan queue on new traffic
+        if inputs.routing is not None:
+            self.controller.policy.refresh(self.runtime.table, obs)  # e.g. the quality policy re-ranks its queue
         ctx = torch.cuda.stream(self.forward_stream) if self.forward_stream is not None else nullcontext()
         with ctx:
             # A request that waits for KV counts as pressure: the blocks it lacks count as used.

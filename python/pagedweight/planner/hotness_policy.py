@@ -148,6 +148,9 @@ class HotnessPolicy:
         return self._plan(table, targets, f"hotness offload: target {target_bytes} B, planned {freed} B, "
                                           f"{k} high-precision experts")
 
+    def refresh(self, table: PageTableView, observation: Observation) -> None:
+        """Hotness folds the routing counts when it plans (update): nothing to re-rank ahead of that."""
+
     def plan_reload(self, table: PageTableView, budget_bytes: int, observation: Observation) -> Plan:
         self.update(observation)
         order, experts = self.slot_order(table)

@@ -16,3 +16,6 @@ class StaticPolicy:
 
     def plan_reload(self, table: PageTableView, budget_bytes: int, observation: Observation) -> Plan:
         return Plan((), "static policy: bitwidths are fixed")
+
+    def refresh(self, table: PageTableView, observation: Observation) -> None:
+        """Nothing ranks blocks here: nothing to re-rank."""
