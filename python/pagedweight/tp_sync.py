@@ -76,6 +76,7 @@ ROW = _FENCES + FENCE_SLOTS
 FLAG_PAYLOAD = 1  # the source rank has routing statistics or traffic to send this iteration
 FLAG_FENCES = 2  # this rank completed more fences than the row holds
 FLAG_SRC = 4  # this row is the source rank's: its inputs are the ones every rank uses
+SIZE_EVERY = 64  # pickled exchanges between two measurements of this rank's payload size
 
 
 def _f2i(x: float) -> int:
@@ -128,11 +129,13 @@ class TpStepSync:
         self.digest_mismatches = 0
         self.last_digests: list[RankDigest] = []
         # Time of this rank's exchange (both collectives), and of every rank's as they report it one exchange
-        # later; the bytes this rank sent (the row, plus the pickled payload when there was one).
+        # later; the bytes this rank sent (the row, plus the pickled payload when there was one, its size measured
+        # every SIZE_EVERY pickled exchanges).
         self.agreement = LatencyHistogram()
         self.rank_agreement = [LatencyHistogram() for _ in range(self.world_size)]
         self.report_bytes_max = 0
         self.report_bytes_last = 0
+        self._extra_bytes = 0  # this rank's pickled payload size, as last measured
         self._last_us = 0.0
 
     def __call__(self, local: StepInputs, digest: RankDigest) -> StepInputs:
@@ -151,7 +154,9 @@ class TpStepSync:
         if flags:
             mine = (local.routing, local.traffic) if self.is_src else None
             extra = (mine, done if len(done) > FENCE_SLOTS else None)
-            sent += len(pickle.dumps(extra))
+            if self.object_exchanges % SIZE_EVERY == 0:  # all_gather_object pickles it again: measure seldom
+                self._extra_bytes = len(pickle.dumps(extra))
+            sent += self._extra_bytes
             extras: list[Any] = [None] * self.world_size
             dist.all_gather_object(extras, extra, group=self.group)
             self.object_exchanges += 1
