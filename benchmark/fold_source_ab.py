@@ -1,12 +1,19 @@
 #!/usr/bin/env python3
-"""The fold MoE call timed with this tree's kernel source and with a git revision's, alternately in one process,
-so that a kernel change is measured against its parent on the same machine and in the same call.
+"""The fold MoE call timed with several kernel sources, alternately in one process, so that a kernel change is
+measured against this tree's kernel on the same machine and in the same call.
 
     python3 benchmark/fold_source_ab.py --rev 4ecc2b7 --models mixtral --cases u4,u8,mix4 --ms 4,16 --out OUT.json
+    python3 benchmark/fold_source_ab.py --source pipe=path/to/cuda_fold_gemv.cu --probe nomath,noload --out OUT.json
 
-Both sources must take the same launch arguments (cuda_fold.py of this tree launches them); the launch configs
-are this tree's defaults for each shape. Writes every timing and, per (model, case, M), the median of the
-revision's times over the median of this tree's.
+Sources: this tree's (`tree`), a git revision's (`--rev`), kernel files (`--source NAME=PATH`, the headers it
+includes beside it), and timing probes of this tree's source (`--probe`; their results are wrong by design):
+`nomath` keeps the plane copies, ldmatrix and activation loads but drops the bit transposition, the mma and the
+group-end epilogue; `noload` reads every warp's planes from the first rows of each plane (L2-resident), so HBM
+serves only the tables and activations; `nomath_noload` both; `noshfl` drops the four coefficient shuffles of
+each group end; `noact` loads every chunk's activations from the unit's first chunk (L1-resident), so L2
+serves only the planes and tables. Every source must take the same launch arguments (cuda_fold.py of this tree launches them);
+the launch configs are this tree's defaults for each shape. Writes every timing and, per (model, case, M) and
+source, the median of its times over the median of this tree's.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -30,6 +38,52 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernel_bench import MODELS, case_bits, cuda_setup, graph_time, make_routing  # noqa: E402
 
 SOURCE_IN_REPO = "sgl-kernel-ext/cuda_fold_gemv.cu"
+_INCLUDE = re.compile(r'^#include "([\w.]+)"$', re.M)
+
+# probe patches of warp_rows: (marker that must occur once, replacement)
+_MATH_START = "                u32 ca4[4], cb4[4], la4[4], lb4[4];\n"
+_LOOP_END = "            }\n        }\n        __syncwarp();\n    }\n    cp_async_wait<0>();"
+_NOMATH_BODY = """                u32 xr = 0;
+#pragma unroll
+                for (int p = 0; p < Q; ++p) xr ^= wa[p] ^ wb[p];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int v = 0; v < 4; ++v) xr ^= b[nt][v].x ^ b[nt][v].w;
+                if (group_end) y[0][1] += S[0].x + ca[i >> 2].a + cb[i >> 2].b;
+                y[0][0] += __uint_as_float(xr & 0x3fffffffu);
+"""
+_ROW_OFFSET = "+ (long long)ra * row_bytes + (long long)(c_begin + t) * 16;"
+_DROW = "const long long drow = (long long)(rb - ra) * row_bytes;"
+_ACT_CHUNK = "const u16* pc = xl + (long long)c * UNIT_CHUNK_ELEMS;"
+
+
+def _once(text: str, marker: str) -> int:
+    if text.count(marker) != 1:
+        raise SystemExit(f"probe patch: the kernel source holds {text.count(marker)} copies of {marker!r}, not 1; "
+                         "update fold_source_ab.py's probe markers to the kernel")
+    return text.index(marker)
+
+
+def probe_text(text: str, probe: str) -> str:
+    """This tree's kernel source with the math and / or the HBM plane reads removed (timing only)."""
+    parts = probe.split("_")
+    if not set(parts) <= {"nomath", "noload", "noshfl", "noact"}:
+        raise SystemExit(f"--probe: unknown probe {probe!r} (nomath, noload, noshfl, noact, joined by _)")
+    if "nomath" in parts:
+        start, end = _once(text, _MATH_START), _once(text, _LOOP_END)
+        text = text[:start] + _NOMATH_BODY + text[end:]
+    if "noload" in parts:
+        _once(text, _ROW_OFFSET), _once(text, _DROW)
+        text = text.replace(_ROW_OFFSET, "+ (long long)t * 16;").replace(_DROW, "const long long drow = 0;")
+    if "noact" in parts:
+        _once(text, _ACT_CHUNK)
+        text = text.replace(_ACT_CHUNK, "const u16* pc = xl; (void)c;")
+    if "noshfl" in parts:
+        text, n = re.subn(r"__shfl_sync\(0xffffffffu, (x[ab]\.[ab]), src\)", r"\1", text)
+        if n != 4:
+            raise SystemExit(f"probe noshfl: found {n} coefficient shuffles, not 4")
+    return text
 
 
 def git_show(rev: str, path: str) -> str:
@@ -40,20 +94,33 @@ def revision_source(rev: str, workdir: Path) -> Path:
     """The revision's kernel source in `workdir`, with the headers it includes from that revision beside it."""
     text = git_show(rev, SOURCE_IN_REPO)
     folder = os.path.dirname(SOURCE_IN_REPO)
-    for header in re.findall(r'^#include "([\w.]+)"$', text, re.M):
+    for header in _INCLUDE.findall(text):
         (workdir / header).write_text(git_show(rev, f"{folder}/{header}"))
     path = workdir / os.path.basename(SOURCE_IN_REPO)
     path.write_text(text)
     return path
 
 
+def written_source(name: str, text: str, workdir: Path, header_dir: Path) -> Path:
+    """`text` as a kernel file in its own folder under `workdir`, with the headers it includes from `header_dir`."""
+    folder = workdir / name
+    folder.mkdir()
+    for header in _INCLUDE.findall(text):
+        shutil.copy(header_dir / header, folder / header)
+    path = folder / "cuda_fold_gemv.cu"
+    path.write_text(text)
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rev", required=True, help="git revision whose cuda_fold_gemv.cu is timed against this tree's")
+    ap.add_argument("--rev", default="", help="git revision whose cuda_fold_gemv.cu is timed against this tree's")
+    ap.add_argument("--source", action="append", default=[], help="NAME=PATH of a kernel source to time")
+    ap.add_argument("--probe", default="", help="comma list of timing probes of this tree's source")
     ap.add_argument("--models", default="mixtral")
     ap.add_argument("--cases", default="u4,u8,mix4")
     ap.add_argument("--ms", default="4,16")
-    ap.add_argument("--rounds", type=int, default=2, help="alternations of (this tree, revision)")
+    ap.add_argument("--rounds", type=int, default=2, help="alternations of the sources")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -61,7 +128,16 @@ def main() -> None:
     here = cuda_fold._SOURCE
     rows, summary = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        sources = {"tree": here, args.rev: revision_source(args.rev, Path(tmp))}
+        sources = {"tree": here}
+        if args.rev:
+            sources[args.rev] = revision_source(args.rev, Path(tmp))
+        for spec in args.source:
+            name, _, path = spec.partition("=")
+            if not path or not Path(path).is_file():
+                raise SystemExit(f"--source {spec!r}: give NAME=PATH of an existing kernel file")
+            sources[name] = Path(path).resolve()
+        for probe in [p for p in args.probe.split(",") if p]:
+            sources[probe] = written_source(probe, probe_text(here.read_text(), probe), Path(tmp), here.parent)
         for model in args.models.split(","):
             md = MODELS[model]
             E, topk, H, I = md["E"], md["topk"], md["H"], md["I"]
@@ -77,23 +153,25 @@ def main() -> None:
                     times = {name: [] for name in sources}
                     for _ in range(args.rounds):
                         for name, src in sources.items():
-                            cuda_fold._SOURCE = src
-                            cuda_fold._compiled.cache_clear()
+                            cuda_fold._SOURCE = src  # compiled once per source (cached by source)
                             call = lambda: cuda_fold.ap_fused_moe_fold(x, tw, ids, w13, w2, configs=configs)  # noqa: E731
                             call()
                             us = graph_time(call, args.reps, flush)["median"]
                             times[name].append(us)
                             rows.append(dict(model=model, case=case, M=m, source=name, us=us))
-                    ratio = statistics.median(times[args.rev]) / statistics.median(times["tree"])
-                    summary[f"{model}/{case}/M={m}"] = round(ratio, 3)
-                    print(f"{model:<10} {case:<5} M={m:<3} tree {statistics.median(times['tree']):8.1f} us  "
-                          f"{args.rev} {statistics.median(times[args.rev]):8.1f} us  rev/tree {ratio:.3f}", flush=True)
+                    base = statistics.median(times["tree"])
+                    line = f"{model:<10} {case:<5} M={m:<3} tree {base:8.1f} us"
+                    for name in sources:
+                        if name != "tree":
+                            med = statistics.median(times[name])
+                            summary[f"{model}/{case}/M={m}/{name}"] = round(med / base, 3)
+                            line += f" | {name} {med:8.1f} ({med / base:.3f})"
+                    print(line, flush=True)
                     with open(args.out, "w") as f:
-                        json.dump(dict(rev=args.rev, rows=rows, rev_over_tree=summary), f, indent=1)
+                        json.dump(dict(rev=args.rev, sources=list(sources), rows=rows, over_tree=summary), f, indent=1)
                 del w13, w2
                 torch.cuda.empty_cache()
     cuda_fold._SOURCE = here
-    cuda_fold._compiled.cache_clear()
 
 
 if __name__ == "__main__":

@@ -143,9 +143,10 @@ def compile_to_cubin(defines: list[str], compute_capability: str, name: str = "a
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(name: str, defines: tuple[str, ...], device_index: int, shared_bytes: int = 0):
-    """One compiled kernel per variant and device (once per process)."""
-    kernel = load_kernel(_SOURCE, name, list(defines), device_index)
+def _compiled(source: Path, name: str, defines: tuple[str, ...], device_index: int, shared_bytes: int = 0):
+    """One compiled kernel per source, variant and device (once per process; benchmark/fold_source_ab.py swaps
+    `_SOURCE` to time other sources in the same process)."""
+    kernel = load_kernel(source, name, list(defines), device_index)
     if shared_bytes:
         kernel.set_shared_memory_config(shared_bytes)
     return kernel
@@ -202,7 +203,7 @@ def _gemv(mode: int, cfg: FoldConfig, w: APMoEWeights, compute: int, out_code: i
     if cfg.stage_chunks == 8 and cfg.ring_kb * 1024 < 2048 * w.bits_max:
         raise ValueError(f"stage_chunks=8 at bits_max={w.bits_max} needs ring_kb >= {2 * w.bits_max} (one stage of "
                          f"{w.bits_max} planes), got {cfg.ring_kb}")
-    kernel = _compiled("ap_fold_gemv", tuple(gemv_defines(mode, cfg, w.bits_max, w.group_size, compute, out_code)),
+    kernel = _compiled(_SOURCE, "ap_fold_gemv", tuple(gemv_defines(mode, cfg, w.bits_max, w.group_size, compute, out_code)),
                        device.index or 0, cfg.shared_bytes)
     kernel(grid=grid, block=(32 * NWARPS, 1, 1), shared_mem=cfg.shared_bytes,
            args=[xf, xs, w.page_table, topk_weights, sorted_ids, expert_ids, post_pad, xf_out, xs_out, acc_out, out,
@@ -217,7 +218,7 @@ def _prep(cfg: FoldConfig, x: torch.Tensor, group_size: int, compute: int, units
     k = x.shape[1]
     xf = torch.empty(units * (k // CHUNK) * cfg.n_tiles * 1024, dtype=torch.int16, device=x.device)
     xs = torch.empty(units * (k // group_size) * cfg.slots, dtype=torch.float32, device=x.device)
-    kernel = _compiled("ap_fold_prep", tuple(prep_defines(cfg, group_size, compute, x.dtype)), x.device.index or 0)
+    kernel = _compiled(_SOURCE, "ap_fold_prep", tuple(prep_defines(cfg, group_size, compute, x.dtype)), x.device.index or 0)
     kernel(grid=(units, k // group_size, 1), block=(256, 1, 1),
            args=[x, x.stride(0), topk_weights if topk_weights is not None else dummy,
                  sorted_ids if sorted_ids is not None else dummy, post_pad if post_pad is not None else dummy,

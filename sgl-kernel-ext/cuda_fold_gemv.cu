@@ -342,14 +342,18 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
                 }
             }
         }
+        // No per-chunk guard (one n-tile): a chunk at or past c_end (the last stage of a slice) multiplies whatever
+        // its ring slot holds (finite codes: MAGIC | nibble) by real activations (clamped loads) into acc, and its
+        // group's coefficients and sums are 0 (load_scales, S_st), so it adds exactly 0 to y. The stage is then one
+        // straight-line block the compiler schedules across chunks (ldmatrix, shuffles and mma of neighbours).
         const u32 sbase = ring_base + (u32)((st % D) * STAGE_BYTES);
 #pragma unroll
         for (int i = 0; i < SCQ; ++i) {
             const int c = c_begin + st * SCQ + i;
-            if (c < c_end) {  // uniform over the warp
+            if (NT == 1 || c < c_end) {  // uniform over the warp; two n-tiles keep the guard (unguarded, they spill)
                 uint4(*b)[4] = bq[PREFETCH ? (i & 1) : 0];
-                if (!PREFETCH) load_act(c, bq[0]);
-                else if (c + 1 < c_end) load_act(c + 1, bq[PREFETCH ? ((i + 1) & 1) : 0]);
+                if (!PREFETCH) load_act(min(c, c_end - 1), bq[0]);
+                else load_act(min(c + 1, c_end - 1), bq[PREFETCH ? ((i + 1) & 1) : 0]);
                 const bool group_end = (c + 1) % GC == 0;
                 const float2* S = S_st[i];
                 // plane words of this chunk: w[p][0] row g, w[p][1] row g + 8, word t
