@@ -211,13 +211,13 @@ def prefer_mma(num_tokens: int, topk: int, num_experts: int) -> bool:
 
 # The fold kernel (cuda_fold.py, CUDA, ubcq, groups of a multiple of 128) is asked before the MMA and LUT kernels for
 # one token, and for more tokens while the intermediate size is at least FOLD_MIN_INTERMEDIATE and the pairs per
-# expected expert hit stay <= FOLD_MAX_PAIRS_PER_EXPERT. H200, 4 bits, every kernel in one run (docs/results/kernel.md,
-# run 16): fold ahead on Mixtral (M = 16: 331 us vs MMA 406; M = 64: 640 vs 1077) and Qwen1.5-MoE (I = 1408; within
-# 1% of MMA at M = 16), and at M = 1 on every shape but Qwen3's TP-2 shard (23.0 vs LUT 22.4); behind on Qwen3-30B-A3B
-# (I = 768, w2 has 6 chunks of K: the ring never fills) from M = 4 on: LUT 66.6 vs 72.3 us at M = 4, MMA 143 vs 146
-# at M = 16 and 236 vs 242 at M = 64.
+# expected expert hit stay <= FOLD_MAX_PAIRS_PER_EXPERT. H200, 4 bits, the kernels side by side in one call
+# (docs/results/kernel.md, session 16): fold ahead on Mixtral and Qwen1.5-MoE at every decode size, and on
+# Qwen3-30B-A3B (I = 768) by 2-3% against MMA at M = 16 / 64 (126.9 / 190.2 us vs 129.2 / 195.3) and even with LUT
+# at M = 4 (66.2 vs 66.1); behind on Qwen3's TP-2 shard (I = 384, w2 has 3 chunks of K): MMA 86.4 / 124.2 vs fold
+# 91.5 / 134.6 at M = 16 / 64, LUT 44.9 vs 51.6 at M = 4.
 FOLD_MAX_PAIRS_PER_EXPERT = 24.0
-FOLD_MIN_INTERMEDIATE = 1024
+FOLD_MIN_INTERMEDIATE = 768
 
 
 def prefer_fold(num_tokens: int, topk: int, num_experts: int, intermediate: int) -> bool:

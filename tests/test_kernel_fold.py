@@ -165,7 +165,8 @@ def test_dispatch_rule():
     """One token always; more tokens while the intermediate size gives w2 enough K (measured, config.py)."""
     assert prefer_fold(1, 8, 128, 384) and prefer_fold(1, 2, 8, 14336)
     assert prefer_fold(4, 2, 8, 14336) and prefer_fold(64, 2, 8, 14336) and prefer_fold(64, 4, 60, 1408)
-    assert not prefer_fold(4, 8, 128, 768) and not prefer_fold(64, 8, 128, 768)
+    assert prefer_fold(16, 8, 128, 768) and prefer_fold(64, 8, 128, 768)  # Qwen3-30B-A3B
+    assert not prefer_fold(4, 8, 128, 384) and not prefer_fold(64, 8, 128, 384)  # its TP-2 shard: MMA / LUT
     assert not prefer_fold(256, 2, 8, 14336)  # 64 pairs per expert: the tiles / prefill path
 
 
