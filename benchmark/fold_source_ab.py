@@ -41,20 +41,20 @@ SOURCE_IN_REPO = "sgl-kernel-ext/cuda_fold_gemv.cu"
 _INCLUDE = re.compile(r'^#include "([\w.]+)"$', re.M)
 
 # probe patches of warp_rows: (marker that must occur once, replacement)
-_MATH_START = "                u32 ca4[4], cb4[4], la4[4], lb4[4];\n"
-_LOOP_END = "            }\n        }\n        __syncwarp();\n    }\n    cp_async_wait<0>();"
-_NOMATH_BODY = """                u32 xr = 0;
+_MATH_START = "                    u32 ca4[4], cb4[4], la4[4], lb4[4];\n"
+_LOOP_END = "                }\n            }\n        }\n        __syncwarp();\n    }\n    cp_async_wait<0>();"
+_NOMATH_BODY = """                    u32 xr = 0;
 #pragma unroll
-                for (int p = 0; p < Q; ++p) xr ^= wa[p] ^ wb[p];
+                    for (int p = 0; p < Q; ++p) xr ^= wa[p] ^ wb[p];
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
+                    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                    for (int v = 0; v < 4; ++v) xr ^= b[nt][v].x ^ b[nt][v].w;
-                if (group_end) y[0][1] += S[0].x + ca[i >> 2].a + cb[i >> 2].b;
-                y[0][0] += __uint_as_float(xr & 0x3fffffffu);
+                        for (int v = 0; v < 4; ++v) xr ^= b[nt][v].x ^ b[nt][v].w;
+                    if (group_end) y[r][0][1] += S[0].x + ca[i >> 2][r].a + cb[i >> 2][r].b;
+                    y[r][0][0] += __uint_as_float(xr & 0x3fffffffu);
 """
-_ROW_OFFSET = "+ (long long)ra * row_bytes + (long long)(c_begin + t) * 16;"
-_DROW = "const long long drow = (long long)(rb - ra) * row_bytes;"
+_ROW_OFFSET = "+ (long long)ra[0] * row_bytes + (long long)(c_begin + t) * 16;"
+_DROW = "da[r] = (long long)(ra[r] - ra[0]) * row_bytes;\n        db[r] = (long long)(rb[r] - ra[0]) * row_bytes;"
 _ACT_CHUNK = "const u16* pc = xl + (long long)c * UNIT_CHUNK_ELEMS;"
 
 
@@ -75,12 +75,12 @@ def probe_text(text: str, probe: str) -> str:
         text = text[:start] + _NOMATH_BODY + text[end:]
     if "noload" in parts:
         _once(text, _ROW_OFFSET), _once(text, _DROW)
-        text = text.replace(_ROW_OFFSET, "+ (long long)t * 16;").replace(_DROW, "const long long drow = 0;")
+        text = text.replace(_ROW_OFFSET, "+ (long long)t * 16;").replace(_DROW, "da[r] = db[r] = 0;")
     if "noact" in parts:
         _once(text, _ACT_CHUNK)
         text = text.replace(_ACT_CHUNK, "const u16* pc = xl; (void)c;")
     if "noshfl" in parts:
-        text, n = re.subn(r"__shfl_sync\(0xffffffffu, (x[ab]\.[ab]), src\)", r"\1", text)
+        text, n = re.subn(r"__shfl_sync\(0xffffffffu, (x[ab]\.[ab]), src_lane\)", r"\1", text)
         if n != 4:
             raise SystemExit(f"probe noshfl: found {n} coefficient shuffles, not 4")
     return text

@@ -42,6 +42,12 @@ def candidates(c13, c2, w2, names=None):
             "kb16": both(c13, c2, ring_kb=16),
             "wk1": (replace(c13, wk=1), c2),
             "pf0": both(c13, c2, l2_prefetch=0),
+            # row tiles per warp: each chunk's activations feed 2 / 4 tiles (fewer blocks per SM for the registers)
+            "rt2_mb3": both(c13, c2, row_tiles=2, min_blocks=3),
+            "rt2_kb16_mb3": both(c13, c2, row_tiles=2, ring_kb=16, min_blocks=3),
+            "rt2_mb4": both(c13, c2, row_tiles=2),
+            "rt4_kb16_mb2": both(c13, c2, row_tiles=4, ring_kb=16, min_blocks=2),
+            "rt2w2_mb3": (c13, replace(c2, row_tiles=2, min_blocks=3)),
             "pf128": both(c13, c2, l2_prefetch=128),
             "pf256": both(c13, c2, l2_prefetch=256),
             "sc8_kb16_mb3": both(c13, c2, stage_chunks=8, ring_kb=16, min_blocks=3),

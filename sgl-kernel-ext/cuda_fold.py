@@ -36,6 +36,7 @@ NWARPS = 4
 # with 24 KB (2 blocks); w13 with its K split over 2 warps was even or faster on every shape timed.
 DEFAULT_RING_KB = 8
 N_TILES = (1, 2)
+ROW_TILES = (1, 2, 4)
 _SOURCE = Path(__file__).with_name("cuda_fold_gemv.cu")
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -67,6 +68,7 @@ class FoldConfig:
     scale_stages: int = 3  # stages ahead that the (scale, offset) loads run (the tables come from DRAM)
     act_prefetch: bool = True  # one n-tile: the next chunk's activations in flight (16 registers)
     l2_prefetch: int = DEFAULT_L2_PREFETCH  # L2 prefetch size (bytes) of the plane copies: 0, 128 or 256
+    row_tiles: int = 1  # 16-row tiles per warp, all fed by one load of each chunk's activations: 1, 2 or 4
 
     def __post_init__(self) -> None:
         if self.stage_chunks not in (4, 8):
@@ -77,6 +79,8 @@ class FoldConfig:
             raise ValueError(f"scale_stages must be in 1..4, got {self.scale_stages}")
         if self.l2_prefetch not in (0, 128, 256):
             raise ValueError(f"l2_prefetch must be 0, 128 or 256, got {self.l2_prefetch}")
+        if self.row_tiles not in ROW_TILES:
+            raise ValueError(f"row_tiles must be one of {ROW_TILES}, got {self.row_tiles}")
         if self.n_tiles not in N_TILES:
             raise ValueError(f"n_tiles must be one of {N_TILES}, got {self.n_tiles}")
         if self.wk not in (1, 2, 4):
@@ -98,7 +102,11 @@ class FoldConfig:
 
     @property
     def rows_per_block(self) -> int:  # A rows of one block (MODE 0: half are gate rows, half up rows)
-        return 16 * NWARPS // self.wk
+        return 16 * self.row_tiles * NWARPS // self.wk
+
+    def min_ring_bytes(self, bits_max: int) -> int:
+        """One ring stage of `bits_max` planes (the kernel halves 4-chunk stages to 2 where two would not fit)."""
+        return self.row_tiles * bits_max * 16 * 16 * (2 if self.stage_chunks == 4 else 8)
 
 
 def fold_unsupported(w: APMoEWeights) -> str | None:
@@ -130,7 +138,7 @@ def gemv_defines(mode: int, cfg: FoldConfig, bits_max: int, group_size: int, com
     return [f"-DMODE={mode}", f"-DNT={cfg.n_tiles}", f"-DPMAX={bits_max}", f"-DG={group_size}", f"-DCT={compute}",
             f"-DOT={out}", f"-DWK={cfg.wk}", f"-DMINB={cfg.min_blocks}", f"-DDIRECT={int(cfg.direct)}",
             f"-DRING={cfg.ring_kb * 1024}", f"-DSC={cfg.stage_chunks}", f"-DSPD={cfg.scale_stages}", f"-DBPF={int(cfg.act_prefetch)}",
-            f"-DL2PF={cfg.l2_prefetch}"]
+            f"-DL2PF={cfg.l2_prefetch}", f"-DRT={cfg.row_tiles}"]
 
 
 def prep_defines(cfg: FoldConfig, group_size: int, compute: int, x_dtype: torch.dtype) -> list[str]:
@@ -200,9 +208,10 @@ def _gemv(mode: int, cfg: FoldConfig, w: APMoEWeights, compute: int, out_code: i
           grid: tuple[int, int, int], *, xf, xs, topk_weights, sorted_ids, expert_ids, post_pad, xf_out, xs_out,
           acc_out, out, counters, bias, num_pairs: int, topk: int, n_out: int, m_rows: int, k_per_split: int,
           row_index: int, apply_w_in: bool, g_out: int, xunit_per_pair: bool, has_bias: bool = False) -> None:
-    if cfg.stage_chunks == 8 and cfg.ring_kb * 1024 < 2048 * w.bits_max:
-        raise ValueError(f"stage_chunks=8 at bits_max={w.bits_max} needs ring_kb >= {2 * w.bits_max} (one stage of "
-                         f"{w.bits_max} planes), got {cfg.ring_kb}")
+    if cfg.ring_kb * 1024 < cfg.min_ring_bytes(w.bits_max):
+        raise ValueError(f"stage_chunks={cfg.stage_chunks}, row_tiles={cfg.row_tiles} at bits_max={w.bits_max} needs "
+                         f"ring_kb >= {-(-cfg.min_ring_bytes(w.bits_max) // 1024)} (one stage of {w.bits_max} planes), "
+                         f"got {cfg.ring_kb}")
     kernel = _compiled(_SOURCE, "ap_fold_gemv", tuple(gemv_defines(mode, cfg, w.bits_max, w.group_size, compute, out_code)),
                        device.index or 0, cfg.shared_bytes)
     kernel(grid=grid, block=(32 * NWARPS, 1, 1), shared_mem=cfg.shared_bytes,

@@ -15,8 +15,8 @@
 // two codes. The activations stay in their own 16-bit type (bf16 for bf16 / fp32 inputs, fp16 for fp16), so
 // there is no range scaling.
 //
-// One warp: 16 A rows (MODE 0: gate rows n0..n0+7 in rows 0..7 and their up rows I+n0.. in rows 8..15;
-// MODE 1/2: 16 consecutive rows) x a K range in chunks of 128 inputs. Lane (g, t) holds the 32-input quarter
+// One warp: RT tiles of 16 A rows (MODE 0: gate rows n0..n0+7 in rows 0..7 and their up rows I+n0.. in rows 8..15;
+// MODE 1/2: 16 consecutive rows), every tile fed by the same activation fragments, x a K range in chunks of 128 inputs. Lane (g, t) holds the 32-input quarter
 // t of each chunk for its rows g and g + 8, so the 16 inputs of an mma lie in one group. The plane bytes pass
 // through a per-warp ring in shared memory: cp.async copies 16 rows x 4 chunks (64 bytes) per plane and
 // stage, and one ldmatrix.x4 gives each lane word t of four (plane, row-half) rows of a chunk, which is the
@@ -76,6 +76,9 @@
 #define SC 4  // chunks per ring stage (4: 64-byte row pieces per plane, 8: 128-byte pieces; 2 above 4 bits when
              // the ring would otherwise hold only one stage)
 #endif
+#ifndef RT
+#define RT 1  // row tiles (16 rows each) per warp, all multiplying the same activation fragments
+#endif
 #ifndef L2PF
 #define L2PF 0  // L2 prefetch size of the plane copies: 0 (none), 128 or 256 bytes
 #endif
@@ -93,6 +96,9 @@
 #endif
 #if WK != 1 && WK != 2 && WK != 4
 #error "WK must be 1, 2 or 4"
+#endif
+#if RT != 1 && RT != 2 && RT != 4
+#error "RT must be 1, 2 or 4"
 #endif
 
 #define NWARPS 4
@@ -194,17 +200,21 @@ __device__ __forceinline__ int pair_of(int i, int num_pairs, const int* sorted_i
     return p < num_pairs ? p : -1;
 }
 
-// ------------------------------------------------------------ one warp: 16 rows x chunks [c_begin, c_end)
+// ------------------------------------------------------------ one warp: RT tiles of 16 rows x chunks [c_begin, c_end)
+// Tile r holds rows ra[r] (lane row g) and rb[r] (g + 8); every tile multiplies the same activation fragments, so a
+// warp of RT tiles loads each chunk's activations once for 16 RT rows.
 template <int Q>
 __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, const float* xs, int n_table, int K,
-                                          unsigned char* ring, int ra, int rb, int c_begin, int c_end,
-                                          float (*y)[4]) {
-    // chunks per stage: SC, halved above 4 bits so that the 8 KB ring still holds two stages of 5-8 planes
-    constexpr int SCQ = (Q > 4 && SC == 4 && RING < 2 * Q * 1024) ? 2 : SC;
+                                          unsigned char* ring, const int* ra, const int* rb, int c_begin, int c_end,
+                                          float (*y)[NT][4]) {
+    // chunks per stage: SC, halved where two stages of RT tiles of Q planes would not fit the ring (5-8 bits, or
+    // more than one tile, in the 8 KB ring)
+    constexpr int SCQ = (SC == 4 && RING < 2 * Q * 1024 * RT) ? 2 : SC;
     constexpr int NP_HI = Q < 4 ? Q : 4;
     constexpr int NP_LO = Q > 4 ? Q - 4 : 0;
-    constexpr int PLANE_BYTES = 16 * SCQ * 16;  // one plane of a stage: 16 rows x SCQ chunks x 16 bytes
-    constexpr int STAGE_BYTES = Q * PLANE_BYTES;
+    constexpr int PLANE_BYTES = 16 * SCQ * 16;  // one plane of one tile and stage: 16 rows x SCQ chunks x 16 bytes
+    constexpr int TILE_BYTES = Q * PLANE_BYTES;
+    constexpr int STAGE_BYTES = RT * TILE_BYTES;
     constexpr int DR = RING / STAGE_BYTES;
     constexpr int D = DR > 8 ? 8 : (DR < 1 ? 1 : DR);  // stages in flight (1: the warp waits for each stage)
     static_assert(DR >= 1, "RING must hold one stage of PMAX planes");
@@ -213,14 +223,24 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     const long long row_bytes = K >> 3;
     const int ngroups = K / G;
     const u16* table = (const u16*)prow[1];
-    // cp.async of this lane: tile rows g and g + 8 (global rows ra, rb), 16-byte chunks t (and t + 4) of each
-    // stage, into the swizzled slot (row r, chunk i) -> r * 16 SCQ + 16 (i ^ swz(r)) of each plane's piece:
+    // cp.async of this lane: rows g and g + 8 of each tile (global rows ra[r], rb[r]), 16-byte chunks t (and t + 4)
+    // of each stage, into the swizzled slot (row r, chunk i) -> r * 16 SCQ + 16 (i ^ swz(r)) of each plane's piece:
     // conflict-free ldmatrix phases (8 rows of one chunk) and cp.async phases (2 rows x 4 chunks)
-    const unsigned char* src[Q];
+    const unsigned char* src[Q];  // row ra[0] of each plane
 #pragma unroll
     for (int p = 0; p < Q; ++p)
-        src[p] = (const unsigned char*)prow[2 + p] + (long long)ra * row_bytes + (long long)(c_begin + t) * 16;
-    const long long drow = (long long)(rb - ra) * row_bytes;
+        src[p] = (const unsigned char*)prow[2 + p] + (long long)ra[0] * row_bytes + (long long)(c_begin + t) * 16;
+    long long da[RT], db[RT];  // byte offsets of each tile's rows ra[r], rb[r] from ra[0] (da[0] = 0 is not added)
+    const u16* tab_a[RT];
+    const u16* tab_b[RT];
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+        da[r] = (long long)(ra[r] - ra[0]) * row_bytes;
+        db[r] = (long long)(rb[r] - ra[0]) * row_bytes;
+        // table rows of ra and rb (scale at [0], offset at [n_table * ngroups])
+        tab_a[r] = table + (long long)ra[r] * ngroups;
+        tab_b[r] = table + (long long)rb[r] * ngroups;
+    }
     auto swz = [](int r) {
         return SCQ == 2 ? (r >> 2) & 1 : SCQ == 4 ? (r >> 1) & 3 : ((r & 1) << 2) | ((r >> 1) & 3);
     };
@@ -232,9 +252,6 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     const int lm = lane >> 3, lr = (lane & 7) + 8 * (lm & 1);
     const u32 lsm = (u32)((lm >> 1) * PLANE_BYTES + lr * SCQ * 16);
     const int lsw = swz(lr);
-    // table rows of ra and rb (scale at [0], offset at [n_table * ngroups])
-    const u16* tab_a = table + (long long)ra * ngroups;
-    const u16* tab_b = table + (long long)rb * ngroups;
     const int toff = n_table * ngroups;
     const u16* xl = xf + lane * 8;
 
@@ -242,34 +259,43 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     auto issue = [&](int st) {
         const int c = c_begin + st * SCQ + t;
         if (st < nstages && t < SCQ && c < c_end) {
-            const u32 base = ring_base + (u32)((st % D) * STAGE_BYTES);
             const long long so = (long long)st * SCQ * 16;
 #pragma unroll
-            for (int p = 0; p < Q; ++p) {
-                cp_async16(base + p * PLANE_BYTES + dst_a, src[p] + so);
-                cp_async16(base + p * PLANE_BYTES + dst_b, src[p] + so + drow);
-            }
-            if (SCQ == 8 && c + 4 < c_end) {
+            for (int r = 0; r < RT; ++r) {
+                const u32 base = ring_base + (u32)((st % D) * STAGE_BYTES + r * TILE_BYTES);
 #pragma unroll
                 for (int p = 0; p < Q; ++p) {
-                    cp_async16(base + p * PLANE_BYTES + dst_a4, src[p] + so + 64);
-                    cp_async16(base + p * PLANE_BYTES + dst_b4, src[p] + so + 64 + drow);
+                    const unsigned char* s = r == 0 ? src[p] + so : src[p] + so + da[r];
+                    cp_async16(base + p * PLANE_BYTES + dst_a, s);
+                    cp_async16(base + p * PLANE_BYTES + dst_b, src[p] + so + db[r]);
+                }
+                if (SCQ == 8 && c + 4 < c_end) {
+#pragma unroll
+                    for (int p = 0; p < Q; ++p) {
+                        const unsigned char* s = r == 0 ? src[p] + so + 64 : src[p] + so + 64 + da[r];
+                        cp_async16(base + p * PLANE_BYTES + dst_a4, s);
+                        cp_async16(base + p * PLANE_BYTES + dst_b4, src[p] + so + 64 + db[r]);
+                    }
                 }
             }
         }
         cp_async_commit();
     };
-    // (scale, offset) of rows ra, rb for the group of stage position t + 4 h
-    auto load_scales = [&](int st, int h, u16* sc) {
+    // (scale, offset) of each tile's rows ra, rb for the group of stage position t + 4 h
+    auto load_scales = [&](int st, int h, u16 (*sc)[4]) {
         const int c = c_begin + st * SCQ + t + 4 * h;
-        if (st < nstages && t < SCQ && c < c_end) {
-            const int grp = (c * CHUNK) / G;
-            sc[0] = __ldg(tab_a + grp);
-            sc[1] = __ldg(tab_a + toff + grp);
-            sc[2] = __ldg(tab_b + grp);
-            sc[3] = __ldg(tab_b + toff + grp);
-        } else {
-            sc[0] = sc[1] = sc[2] = sc[3] = 0;
+        const bool ok = st < nstages && t < SCQ && c < c_end;
+        const int grp = (c * CHUNK) / G;
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+            if (ok) {
+                sc[r][0] = __ldg(tab_a[r] + grp);
+                sc[r][1] = __ldg(tab_a[r] + toff + grp);
+                sc[r][2] = __ldg(tab_b[r] + grp);
+                sc[r][3] = __ldg(tab_b[r] + toff + grp);
+            } else {
+                sc[r][0] = sc[r][1] = sc[r][2] = sc[r][3] = 0;
+            }
         }
     };
     auto load_act = [&](int c, uint4 (*b)[4]) {
@@ -288,19 +314,21 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
 
 #pragma unroll
     for (int st = 0; st < D - 1; ++st) issue(st);
-    constexpr int NH = SCQ < 4 ? 1 : SCQ / 4;  // coefficient sets per lane and stage
+    constexpr int NH = SCQ < 4 ? 1 : SCQ / 4;  // coefficient sets per lane, tile and stage
     // the tables come from DRAM: their loads run PD stages ahead (rotated through registers)
     constexpr int PD = SPD;
-    u16 sc[PD][NH][4];
+    u16 sc[PD][NH][RT][4];
 #pragma unroll
     for (int d = 0; d < PD; ++d)
 #pragma unroll
         for (int h = 0; h < NH; ++h) load_scales(d, h, sc[d][h]);
-    float acc[NT][4], acc_lo[NT][4];
+    float acc[RT][NT][4], acc_lo[RT][NT][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int r = 0; r < RT; ++r)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) acc[nt][c] = acc_lo[nt][c] = 0.f;
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[r][nt][c] = acc_lo[r][nt][c] = 0.f;
     // activations: double-buffered for one n-tile (the next chunk's load is in flight), else loaded per chunk
     constexpr bool PREFETCH = NT == 1 && BPF;
     uint4 bq[PREFETCH ? 2 : 1][NT][4];
@@ -310,18 +338,22 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
         issue(st + D - 1);  // into the slot stage st - 1 used (every lane passed the __syncwarp below)
         cp_async_wait<D - 1>();
         __syncwarp();
-        Coef ca[NH], cb[NH];
+        Coef ca[NH][RT], cb[NH][RT];
 #pragma unroll
-        for (int h = 0; h < NH; ++h) {
-            ca[h] = make_coef<Q>(sc[0][h][0], sc[0][h][1]);
-            cb[h] = make_coef<Q>(sc[0][h][2], sc[0][h][3]);
-        }
+        for (int h = 0; h < NH; ++h)
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+                ca[h][r] = make_coef<Q>(sc[0][h][r][0], sc[0][h][r][1]);
+                cb[h][r] = make_coef<Q>(sc[0][h][r][2], sc[0][h][r][3]);
+            }
 #pragma unroll
         for (int d = 0; d + 1 < PD; ++d)
 #pragma unroll
             for (int h = 0; h < NH; ++h)
 #pragma unroll
-                for (int k = 0; k < 4; ++k) sc[d][h][k] = sc[d + 1][h][k];
+                for (int r = 0; r < RT; ++r)
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) sc[d][h][r][k] = sc[d + 1][h][r][k];
 #pragma unroll
         for (int h = 0; h < NH; ++h) load_scales(st + PD, h, sc[PD - 1][h]);
         // group sums of the stage's groups (L2), loaded before the stage's work
@@ -356,43 +388,48 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
                 else load_act(min(c + 1, c_end - 1), bq[PREFETCH ? ((i + 1) & 1) : 0]);
                 const bool group_end = (c + 1) % GC == 0;
                 const float2* S = S_st[i];
-                // plane words of this chunk: w[p][0] row g, w[p][1] row g + 8, word t
-                u32 wa[Q], wb[Q];
 #pragma unroll
-                for (int pp = 0; pp < Q / 2; ++pp)
-                    ldsm_x4(sbase + pp * 2 * PLANE_BYTES + lsm + ((i ^ lsw) << 4), wa[2 * pp], wb[2 * pp],
-                            wa[2 * pp + 1], wb[2 * pp + 1]);
-                if (Q & 1) ldsm_x2(sbase + (Q - 1) * PLANE_BYTES + lsm + ((i ^ lsw) << 4), wa[Q - 1], wb[Q - 1]);
-                u32 ca4[4], cb4[4], la4[4], lb4[4];
-                codes_of<NP_HI>(wa, ca4);
-                codes_of<NP_HI>(wb, cb4);
-                if constexpr (NP_LO > 0) {
-                    codes_of<NP_LO>(wa + 4, la4);
-                    codes_of<NP_LO>(wb + 4, lb4);
-                }
+                for (int r = 0; r < RT; ++r) {
+                    // plane words of this chunk and tile: w[p][0] row g, w[p][1] row g + 8, word t
+                    const u32 tbase = sbase + r * TILE_BYTES + lsm + ((i ^ lsw) << 4);
+                    u32 wa[Q], wb[Q];
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    mma_codes(acc, ca4[j], cb4[j], b, j);
-                    if constexpr (NP_LO > 0) mma_codes(acc_lo, la4[j], lb4[j], b, j);
-                }
-                if (group_end) {
-                    const int src = g * 4 + (i & 3);  // the lane that read this group's (scale, offset)
-                    const Coef& xa = ca[i >> 2];
-                    const Coef& xb = cb[i >> 2];
-                    const float aa = __shfl_sync(0xffffffffu, xa.a, src), ba = __shfl_sync(0xffffffffu, xa.b, src);
-                    const float ab = __shfl_sync(0xffffffffu, xb.a, src), bb = __shfl_sync(0xffffffffu, xb.b, src);
+                    for (int pp = 0; pp < Q / 2; ++pp)
+                        ldsm_x4(tbase + pp * 2 * PLANE_BYTES, wa[2 * pp], wb[2 * pp], wa[2 * pp + 1], wb[2 * pp + 1]);
+                    if (Q & 1) ldsm_x2(tbase + (Q - 1) * PLANE_BYTES, wa[Q - 1], wb[Q - 1]);
+                    u32 ca4[4], cb4[4], la4[4], lb4[4];
+                    codes_of<NP_HI>(wa, ca4);
+                    codes_of<NP_HI>(wb, cb4);
+                    if constexpr (NP_LO > 0) {
+                        codes_of<NP_LO>(wa + 4, la4);
+                        codes_of<NP_LO>(wb + 4, lb4);
+                    }
 #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        float v[4];
+                    for (int j = 0; j < 4; ++j) {
+                        mma_codes(acc[r], ca4[j], cb4[j], b, j);
+                        if constexpr (NP_LO > 0) mma_codes(acc_lo[r], la4[j], lb4[j], b, j);
+                    }
+                    if (group_end) {
+                        const int src_lane = g * 4 + (i & 3);  // the lane that read this group's (scale, offset)
+                        const Coef& xa = ca[i >> 2][r];
+                        const Coef& xb = cb[i >> 2][r];
+                        const float aa = __shfl_sync(0xffffffffu, xa.a, src_lane);
+                        const float ba = __shfl_sync(0xffffffffu, xa.b, src_lane);
+                        const float ab = __shfl_sync(0xffffffffu, xb.a, src_lane);
+                        const float bb = __shfl_sync(0xffffffffu, xb.b, src_lane);
 #pragma unroll
-                        for (int c2 = 0; c2 < 4; ++c2) {
-                            v[c2] = NP_LO > 0 ? fmaf(16.f, acc[nt][c2], acc_lo[nt][c2]) : acc[nt][c2];
-                            acc[nt][c2] = acc_lo[nt][c2] = 0.f;
+                        for (int nt = 0; nt < NT; ++nt) {
+                            float v[4];
+#pragma unroll
+                            for (int c2 = 0; c2 < 4; ++c2) {
+                                v[c2] = NP_LO > 0 ? fmaf(16.f, acc[r][nt][c2], acc_lo[r][nt][c2]) : acc[r][nt][c2];
+                                acc[r][nt][c2] = acc_lo[r][nt][c2] = 0.f;
+                            }
+                            y[r][nt][0] = fmaf(aa, v[0], fmaf(ba, S[nt].x, y[r][nt][0]));
+                            y[r][nt][1] = fmaf(aa, v[1], fmaf(ba, S[nt].y, y[r][nt][1]));
+                            y[r][nt][2] = fmaf(ab, v[2], fmaf(bb, S[nt].x, y[r][nt][2]));
+                            y[r][nt][3] = fmaf(ab, v[3], fmaf(bb, S[nt].y, y[r][nt][3]));
                         }
-                        y[nt][0] = fmaf(aa, v[0], fmaf(ba, S[nt].x, y[nt][0]));
-                        y[nt][1] = fmaf(aa, v[1], fmaf(ba, S[nt].y, y[nt][1]));
-                        y[nt][2] = fmaf(ab, v[2], fmaf(bb, S[nt].x, y[nt][2]));
-                        y[nt][3] = fmaf(ab, v[3], fmaf(bb, S[nt].y, y[nt][3]));
                     }
                 }
             }
@@ -413,7 +450,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int wr = warp % WR, wk = warp / WR;
-    const int rt = blockIdx.y * WR + wr;  // row tile of this warp
+    const int rt0 = (blockIdx.y * WR + wr) * RT;  // first row tile of this warp (it holds RT consecutive tiles)
     const int chunks = K / CHUNK;
 
     // the expert of this block (-1: nothing to do)
@@ -428,16 +465,24 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
 #else
     if ((int)blockIdx.x * SLOTS < post_pad[0]) expert = expert_ids[blockIdx.x];
 #endif
-    // rows: MODE 0: gate n = 8 rt + g and up I + n; MODE 1/2: 16 rt + g and 16 rt + g + 8 (clamped to valid rows)
+    // rows of tile rt: MODE 0: gate n = 8 rt + g and up I + n; MODE 1/2: 16 rt + g and 16 rt + g + 8 (clamped to valid
+    // rows: a tile past the end reads row n_out - 1 and stores nothing)
+    int na[RT], nb[RT], ra[RT], rb[RT];
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
 #if MODE == 0
-    const int na = 8 * rt + g, nb = na;
-    const bool tile_ok = 8 * rt < n_out;
-    const int ra = min(na, n_out - 1), rb = n_out + ra;
+        na[r] = 8 * (rt0 + r) + g;
+        nb[r] = na[r];
+        ra[r] = min(na[r], n_out - 1);
+        rb[r] = n_out + ra[r];
 #else
-    const int na = 16 * rt + g, nb = na + 8;
-    const bool tile_ok = 16 * rt < n_out;
-    const int ra = min(na, n_out - 1), rb = min(nb, n_out - 1);
+        na[r] = 16 * (rt0 + r) + g;
+        nb[r] = na[r] + 8;
+        ra[r] = min(na[r], n_out - 1);
+        rb[r] = min(nb[r], n_out - 1);
 #endif
+    }
+    const bool tile_ok = (MODE == 0 ? 8 : 16) * rt0 < n_out;  // the warp's first tile has rows
     // K range: the block's slice (MODE 1/2: blockIdx.z), then WK parts of whole groups
     const int kc = k_per_split / CHUNK;
     const int blk_begin = MODE == 0 ? 0 : min(chunks, (int)blockIdx.z * kc);
@@ -452,9 +497,11 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
 #else
     const int unit = blockIdx.x;
 #endif
-    float y[NT][4];
+    float y[RT][NT][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) y[nt][0] = y[nt][1] = y[nt][2] = y[nt][3] = 0.f;
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) y[r][nt][0] = y[r][nt][1] = y[r][nt][2] = y[r][nt][3] = 0.f;
 
     if (active) {
         const long long* prow = page_table + (long long)expert * pt_stride;
@@ -472,20 +519,27 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
     if (WK > 1) {
         __syncthreads();
         float* red = (float*)smem;
+        constexpr int PER_LANE = RT * NT * 4;
         if (wk > 0) {
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+            for (int r = 0; r < RT; ++r)
 #pragma unroll
-                for (int c = 0; c < 4; ++c) red[(((wk - 1) * WR + wr) * 32 + lane) * NT * 4 + nt * 4 + c] = y[nt][c];
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        red[(((wk - 1) * WR + wr) * 32 + lane) * PER_LANE + (r * NT + nt) * 4 + c] = y[r][nt][c];
         }
         __syncthreads();
         if (wk == 0) {
 #pragma unroll
             for (int p = 1; p < WK; ++p)
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
+                for (int r = 0; r < RT; ++r)
 #pragma unroll
-                    for (int c = 0; c < 4; ++c) y[nt][c] += red[(((p - 1) * WR + wr) * 32 + lane) * NT * 4 + nt * 4 + c];
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c)
+                            y[r][nt][c] += red[(((p - 1) * WR + wr) * 32 + lane) * PER_LANE + (r * NT + nt) * 4 + c];
         }
     }
     if (wk != 0 || expert < 0 || !tile_ok) return;
@@ -493,32 +547,36 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
     const int ounit = blockIdx.x;
     const int n_chunks_out = n_out / CHUNK;
     u16* xo = xf_out + (long long)ounit * n_chunks_out * UNIT_CHUNK_ELEMS;
-    float* so = xs_out + ((long long)ounit * (n_out / g_out) + (8 * rt) / g_out) * SLOTS;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        float part[2];
+    for (int r = 0; r < RT; ++r) {
+        if (8 * (rt0 + r) >= n_out) break;  // uniform: the tiles past the end
+        float* so = xs_out + ((long long)ounit * (n_out / g_out) + (8 * (rt0 + r)) / g_out) * SLOTS;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int slot = nt * 8 + 2 * t + h;
-            const int p = pair_of(slot, num_pairs, sorted_ids);
-            const float gte = y[nt][h], up = y[nt][2 + h];
-            const float act = gte / (1.f + __expf(-gte)) * up;
-            const u16 hv = f2ct(act);
-            part[h] = 0.f;
-            if (p >= 0 && na < n_out) {
-                xo[act_offset(na, slot)] = hv;
-                part[h] = ct2f(hv);
+        for (int nt = 0; nt < NT; ++nt) {
+            float part[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int slot = nt * 8 + 2 * t + h;
+                const int p = pair_of(slot, num_pairs, sorted_ids);
+                const float gte = y[r][nt][h], up = y[r][nt][2 + h];
+                const float act = gte / (1.f + __expf(-gte)) * up;
+                const u16 hv = f2ct(act);
+                part[h] = 0.f;
+                if (p >= 0 && na[r] < n_out) {
+                    xo[act_offset(na[r], slot)] = hv;
+                    part[h] = ct2f(hv);
+                }
             }
-        }
 #pragma unroll
-        for (int d = 4; d < 32; d <<= 1) {
-            part[0] += __shfl_xor_sync(0xffffffffu, part[0], d);
-            part[1] += __shfl_xor_sync(0xffffffffu, part[1], d);
-        }
-        if (g == 0) {
-            const int s0 = nt * 8 + 2 * t;
-            if (s0 < SLOTS) atomicAdd(so + s0, part[0]);
-            if (s0 + 1 < SLOTS) atomicAdd(so + s0 + 1, part[1]);
+            for (int d = 4; d < 32; d <<= 1) {
+                part[0] += __shfl_xor_sync(0xffffffffu, part[0], d);
+                part[1] += __shfl_xor_sync(0xffffffffu, part[1], d);
+            }
+            if (g == 0) {
+                const int s0 = nt * 8 + 2 * t;
+                if (s0 < SLOTS) atomicAdd(so + s0, part[0]);
+                if (s0 + 1 < SLOTS) atomicAdd(so + s0 + 1, part[1]);
+            }
         }
     }
     (void)nb;
@@ -526,20 +584,22 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
     // float32 atomics into [M, N], then the last block of this row block converts it
     if (active) {
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int r = 0; r < RT; ++r)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int n = c < 2 ? na : nb;
-                const int slot = nt * 8 + 2 * t + (c & 1);
-                const int p = pair_of(slot, num_pairs, sorted_ids);
-                if (n >= n_out || p < 0) continue;
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int n = c < 2 ? na[r] : nb[r];
+                    const int slot = nt * 8 + 2 * t + (c & 1);
+                    const int p = pair_of(slot, num_pairs, sorted_ids);
+                    if (n >= n_out || p < 0) continue;
 #if MODE == 1
-                const float v = apply_w_in ? y[nt][c] : y[nt][c] * topk_weights[p];
-                atomicAdd(acc_out + (long long)(p / topk) * n_out + n, v);
+                    const float v = apply_w_in ? y[r][nt][c] : y[r][nt][c] * topk_weights[p];
+                    atomicAdd(acc_out + (long long)(p / topk) * n_out + n, v);
 #else
-                if (p < m_rows) atomicAdd(acc_out + (long long)p * n_out + n, y[nt][c]);
+                    if (p < m_rows) atomicAdd(acc_out + (long long)p * n_out + n, y[r][nt][c]);
 #endif
-            }
+                }
         __threadfence();
     }
     __shared__ int last;
@@ -551,8 +611,8 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
     __syncthreads();
     if (!last) return;
     __threadfence();
-    const int r0 = blockIdx.y * WR * 16;
-    const int nrows = min(WR * 16, n_out - r0);
+    const int r0 = blockIdx.y * WR * RT * 16;
+    const int nrows = min(WR * RT * 16, n_out - r0);
     if (nrows <= 0) return;
     for (int idx = threadIdx.x; idx < m_rows * nrows; idx += NWARPS * 32) {
         const int m = idx / nrows, n = r0 + idx % nrows;

@@ -44,7 +44,8 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the fold kernel is CUDA on
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_every_variant_compiles_for_sm90(mode):
-    for cfg in (FoldConfig(1), FoldConfig(2), FoldConfig(1, wk=2), FoldConfig(2, wk=4)):
+    for cfg in (FoldConfig(1), FoldConfig(2), FoldConfig(1, wk=2), FoldConfig(2, wk=4),
+                FoldConfig(1, wk=2, row_tiles=2, min_blocks=3), FoldConfig(2, row_tiles=4, ring_kb=16, min_blocks=2)):
         for bits_max, group, compute in ((8, 128, 0), (4, 256, 1)):
             cubin = compile_to_cubin(gemv_defines(mode, cfg, bits_max, group, compute, out=compute), "90")
             assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
@@ -78,6 +79,21 @@ def test_direct_layout_is_refused_where_it_does_not_apply():
         FoldConfig(wk=3)
     with pytest.raises(ValueError, match="k_per_split"):
         FoldConfig(k_per_split=100)
+    with pytest.raises(ValueError, match="row_tiles"):
+        FoldConfig(row_tiles=3)
+
+
+def test_row_tiles_scale_the_block_and_its_ring():
+    """A warp of r row tiles covers 16 r rows; one ring stage holds r tiles of bits_max planes, which the launcher
+    checks against ring_kb before compiling."""
+    assert FoldConfig(1, wk=2, row_tiles=2).rows_per_block == 2 * FoldConfig(1, wk=2).rows_per_block == 64
+    assert FoldConfig(1, row_tiles=4).rows_per_block == 256
+    assert FoldConfig(1).min_ring_bytes(8) == 4 * 1024  # 8 planes x 16 rows x 2 chunks x 16 bytes
+    assert FoldConfig(1, row_tiles=4).min_ring_bytes(8) == 16 * 1024  # > the default 8 KB ring
+    assert FoldConfig(1, stage_chunks=8).min_ring_bytes(4) == 8 * 1024  # 4 planes x 16 rows x 8 chunks x 16 bytes
+    # the kernel's own bound agrees: one stage of 4 tiles of 8 planes does not fit an 8 KB ring
+    with pytest.raises(RuntimeError, match="RING must hold one stage"):
+        compile_to_cubin(gemv_defines(1, FoldConfig(1, row_tiles=4), 8, 128, 0), "90")
 
 
 _M32 = 0xFFFFFFFF
@@ -221,7 +237,8 @@ def test_linear_explicit_configs_and_large_activations():
     proj = random_ap_projection(1, 520, 1280, [5], table_kind="ubcq", bits_min=2, device="cuda")
     x = torch.randn(3, 1280, device="cuda", dtype=torch.bfloat16)
     ref = ap_linear_reference(x.float(), proj.weights)
-    for cfg in (FoldConfig(1, k_per_split=128), FoldConfig(2, k_per_split=384), FoldConfig(2), FoldConfig(1, wk=4)):
+    for cfg in (FoldConfig(1, k_per_split=128), FoldConfig(2, k_per_split=384), FoldConfig(2), FoldConfig(1, wk=4),
+                FoldConfig(1, row_tiles=2, min_blocks=3), FoldConfig(2, k_per_split=256, row_tiles=4, ring_kb=16)):
         assert rel_err(ap_linear_fold(x, proj.weights, 0, None, cfg), ref) < 2e-2, cfg
     big = (torch.randn(3, 1280, device="cuda") * torch.tensor([[1.0], [1e6], [3e4]], device="cuda")).to(torch.bfloat16)
     out = ap_linear_fold(big, proj.weights, 0, None)
@@ -285,6 +302,10 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
                ((1, 0), (2, 128), (4, 256))]
     layouts.append((FoldConfig(1, direct=True, wk=4), FoldConfig(1, direct=True, k_per_split=128)))
     layouts.append((FoldConfig(2, stage_chunks=8, ring_kb=16), FoldConfig(2, stage_chunks=8, ring_kb=16)))
+    # several row tiles per warp share each chunk's activations (partial last tiles: 384 / 640 rows)
+    layouts.append((FoldConfig(1, wk=2, row_tiles=2, min_blocks=3), FoldConfig(1, k_per_split=128, row_tiles=2, min_blocks=3)))
+    layouts.append((FoldConfig(2, row_tiles=4, ring_kb=16, min_blocks=2), FoldConfig(2, row_tiles=4, ring_kb=16, min_blocks=2)))
+    layouts.append((FoldConfig(1, direct=True, row_tiles=2, min_blocks=3), FoldConfig(1, direct=True, row_tiles=2, min_blocks=3)))
     for cfgs in layouts:
         out = ap_fused_moe_fold(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
         assert rel_err(out, ref) < 2e-2, cfgs
