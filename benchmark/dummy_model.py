@@ -38,7 +38,7 @@ CONFIGS = {
 
 
 def make_dummy_model(name: str, out: Path, num_layers: int | None = None) -> Path:
-    from pagedweight.tiny_model import BOS_TOKEN, EOS_TOKEN, SPECIAL_TOKENS, write_tokenizer
+    from pagedweight.tools.tiny_model import BOS_TOKEN, EOS_TOKEN, SPECIAL_TOKENS, write_tokenizer
 
     cfg = dict(CONFIGS[name])
     if num_layers is not None:

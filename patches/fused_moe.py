@@ -22,7 +22,7 @@ _QUANT_CONFIG_POS = 8
 def fused_moe_init_around(original, self, *args, **kwargs):
     from sglang.srt.runtime_context import get_server_args
 
-    from pagedweight.layer_sources import layer_source_for
+    from pagedweight.serving.layer_sources import layer_source_for
     from pagedweight.patches.server_args import get_config
 
     server_args = get_server_args()
@@ -38,7 +38,7 @@ def fused_moe_init_around(original, self, *args, **kwargs):
             f"the {quant_config.get_name()!r} quantization. Convert the original bf16 checkpoint with "
             f"`pagedweight convert` instead."
         )
-    from pagedweight.moe_method import PagedWeightMoEMethod
+    from pagedweight.serving.moe_method import PagedWeightMoEMethod
     from pagedweight.patches.quant_config import PagedWeightQuantConfig
 
     source = layer_source_for(server_args, cfg)

@@ -1,4 +1,4 @@
-"""SGLang integration of the elastic KV cache (python/pagedweight/elastic_kv.py).
+"""SGLang integration of the elastic KV cache (python/pagedweight/kvcache/elastic_kv.py).
 
 Sizing (scheduler process, while the model runner allocates its pools):
 - AROUND ModelRunner.alloc_memory_pool: with --enable-paged-weight (target worker only), learn how many
@@ -81,7 +81,7 @@ def max_extra_kv_bytes(model_runner: Any) -> Optional[int]:
     explicit = getattr(model_runner, MAX_EXTRA_ATTR, None)
     if explicit is not None:
         return int(explicit)
-    from pagedweight.paged_runtime import find_runtime
+    from pagedweight.runtime.paged_runtime import find_runtime
 
     runtime = find_runtime(model_runner)
     if runtime is None:
@@ -131,8 +131,8 @@ def alloc_memory_pool_around(original, model_runner, *args, **kwargs):
 
 
 def _install(model_runner: Any, sizing: _Sizing) -> None:
-    from pagedweight.elastic_kv import ElasticKVCache
-    from pagedweight.elastic_kv_backing import make_backing
+    from pagedweight.kvcache.elastic_kv import ElasticKVCache
+    from pagedweight.kvcache.elastic_kv_backing import make_backing
 
     pool = model_runner.token_to_kv_pool
     if sizing.device.startswith("cuda") and sizing.owner is None:
@@ -184,7 +184,7 @@ def _vmm_buffers(pool: Any) -> None:
     """Put the pool's K/V buffers into a chunk-mapped CUDA VMM reservation of `pool.size` tokens."""
     import torch
 
-    from pagedweight.elastic_kv_backing import elastic_vmm_owner_class
+    from pagedweight.kvcache.elastic_kv_backing import elastic_vmm_owner_class
 
     if getattr(pool, "kv_cache_layout", None) == "vectorized_5d":
         raise ElasticKVSetupError("elastic KV cache does not support the vectorized_5d KV layout")

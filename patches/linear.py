@@ -23,8 +23,8 @@ _SOURCES: dict[tuple[str, str], Any] = {}  # per process: (load_format, ap_dir) 
 
 
 def dense_source_for(server_args: Any, cfg: Any):
-    from pagedweight.dense_linear import CheckpointDenseSource, DummyDenseSource
-    from pagedweight.layer_sources import layer_source_for
+    from pagedweight.serving.dense_linear import CheckpointDenseSource, DummyDenseSource
+    from pagedweight.serving.layer_sources import layer_source_for
 
     load_format = str(getattr(server_args, "load_format", "auto"))
     key = (load_format, cfg.resolve_ap_dir(server_args.model_path))
@@ -40,7 +40,7 @@ def dense_bits(cfg: Any, source: Any) -> int:
         return cfg.dense_bits
     if cfg.bits is not None:
         return cfg.bits
-    from pagedweight.layer_sources import DUMMY_BITS_MAX
+    from pagedweight.serving.layer_sources import DUMMY_BITS_MAX
 
     return source.ckpt.bits_max if hasattr(source, "ckpt") else DUMMY_BITS_MAX
 
@@ -59,7 +59,7 @@ def linear_init_around(original, self, *args, **kwargs):
     quant_config = args[_QUANT_CONFIG_POS] if len(args) > _QUANT_CONFIG_POS else kwargs.get("quant_config")
     if not prefix or quant_config is not None:
         return  # a quantized model is refused by the FusedMoE hook
-    from pagedweight.dense_linear import DenseAPLinearMethod, ap_names_for
+    from pagedweight.serving.dense_linear import DenseAPLinearMethod, ap_names_for
 
     source = dense_source_for(server_args, cfg)
     names = ap_names_for(prefix)
@@ -80,7 +80,7 @@ def lm_head_init_around(original, self, *args, **kwargs):
     prefix = kwargs.get("prefix", "")
     if not (cfg.enable and cfg.scope == "all") or kwargs.get("quant_config") is not None:
         return original(self, *args, **kwargs)
-    from pagedweight.dense_linear import LMHeadAPMethod
+    from pagedweight.serving.dense_linear import LMHeadAPMethod
     from pagedweight.patches.quant_config import PagedWeightQuantConfig
 
     source = dense_source_for(server_args, cfg)

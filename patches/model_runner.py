@@ -22,7 +22,7 @@ def collect_layer_stores(model: torch.nn.Module) -> list:
 
 
 def load_model_after(result, model_runner, *args, **kwargs):
-    from pagedweight.paged_runtime import PagedRuntime
+    from pagedweight.runtime.paged_runtime import PagedRuntime
     from pagedweight.patches.server_args import get_config
 
     cfg = get_config(model_runner.server_args)
@@ -35,12 +35,12 @@ def load_model_after(result, model_runner, *args, **kwargs):
             "this model's MoE layers are not built on SGLang's FusedMoE"
         )
     if str(model_runner.server_args.load_format) == "dummy":
-        from pagedweight.dummy_weights import unit_norm_weights
+        from pagedweight.serving.dummy_weights import unit_norm_weights
 
         n = unit_norm_weights(model_runner.model)
         logger.info(
             "PagedWeight: --load-format dummy: %d RMSNorm weights set to 1 (SGLang's +-1e-3 would hide the "
-            "experts' bitwidths from the logits; python/pagedweight/dummy_weights.py)", n
+            "experts' bitwidths from the logits; python/pagedweight/serving/dummy_weights.py)", n
         )
     device = stores[0].w13.page_table.device
     runtime = PagedRuntime.build(cfg, stores, device)

@@ -2,7 +2,7 @@
 
 - after Scheduler.__init__: attach a PagedWeightScheduler (pressure signal, policy, pager) when the model
   runner started a PagedWeight runtime;
-- before Scheduler.get_next_batch_to_run: one step (the safe boundary, see python/pagedweight/serving_loop.py);
+- before Scheduler.get_next_batch_to_run: one step (the safe boundary, see python/pagedweight/serving/serving_loop.py);
 - after Scheduler.get_internal_state: add the runtime's state under "paged_weight", so SGLang's
   `/get_server_info` reports committed bitwidths, bytes in weights/KV/free and transitions;
 - around Scheduler.set_internal_state: the elastic KV resize (patches/kv_cache.py), and `POST
@@ -22,8 +22,8 @@ ATTR = "_paged_weight"
 
 
 def init_after(result, scheduler, *args, **kwargs):
-    from pagedweight.paged_runtime import find_runtime
-    from pagedweight.serving_loop import PagedWeightScheduler
+    from pagedweight.runtime.paged_runtime import find_runtime
+    from pagedweight.serving.serving_loop import PagedWeightScheduler
 
     runtime = find_runtime(scheduler.tp_worker.model_runner)
     if runtime is not None:

@@ -32,7 +32,7 @@ def add_cli_args_after(result, parser, *args, **kwargs):
 
 def from_cli_args_around(original, *args, **kwargs):
     # classmethod: args = (namespace,) once bound; tolerate (cls, namespace) too.
-    from pagedweight.startup_check import PagedWeightStartupError
+    from pagedweight.serving.startup_check import PagedWeightStartupError
 
     namespace = args[-1] if args else kwargs["args"]
     try:
@@ -59,7 +59,7 @@ def init_around(original, self, *args, **kwargs):
 
 def _validate_before_launch(server_args: Any, cfg: pw_config.PagedWeightConfig) -> None:
     """Refuse bad input in the launching process, before any scheduler process is started."""
-    from pagedweight.startup_check import check_paged_weight_launch
+    from pagedweight.serving.startup_check import check_paged_weight_launch
 
     check_paged_weight_launch(server_args, cfg)
 

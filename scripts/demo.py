@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The main job on an embedded default (pagedweight.demo): a tiny MoE model converted to AP, served by SGLang with
+"""The main job on an embedded default (pagedweight.tools.demo): a tiny MoE model converted to AP, served by SGLang with
 PagedWeight; a burst of long requests makes the experts lower their bitwidths for the KV cache, the quiet
 period reloads them, and a timeline PNG shows it.
 
@@ -8,7 +8,7 @@ period reloads them, and a timeline PNG shows it.
 
 import sys
 
-from pagedweight.demo import main
+from pagedweight.tools.demo import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -24,14 +24,14 @@ def server_env(work_dir) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_moe(work_dir) -> Path:
-    from pagedweight.tiny_model import make_tiny_moe
+    from pagedweight.tools.tiny_model import make_tiny_moe
 
     return make_tiny_moe(work_dir / "tiny-qwen2-moe", arch="qwen2_moe", seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_mixtral(work_dir) -> Path:
-    from pagedweight.tiny_model import make_tiny_moe
+    from pagedweight.tools.tiny_model import make_tiny_moe
 
     return make_tiny_moe(work_dir / "tiny-mixtral", arch="mixtral", seed=0)
 
@@ -39,7 +39,7 @@ def tiny_mixtral(work_dir) -> Path:
 @pytest.fixture(scope="session")
 def ap_qwen2_moe(work_dir, tiny_qwen2_moe) -> Path:
     """The tiny Qwen2-MoE converted to a servable AP checkpoint (binary-coded tables, 2..8 bits)."""
-    from pagedweight.convert import convert_checkpoint
+    from pagedweight.tools.convert import convert_checkpoint
 
     return convert_checkpoint(tiny_qwen2_moe, work_dir / "ap-qwen2-moe", bits_min=2, bits_max=8, seed=0)
 
@@ -48,7 +48,7 @@ def ap_qwen2_moe(work_dir, tiny_qwen2_moe) -> Path:
 def ap_qwen2_moe_g32(work_dir, tiny_qwen2_moe) -> Path:
     """The same with bcq group size 32, so `--tp 2` can split the experts' intermediate size (64) into whole
     groups on each rank."""
-    from pagedweight.convert import convert_checkpoint
+    from pagedweight.tools.convert import convert_checkpoint
 
     return convert_checkpoint(tiny_qwen2_moe, work_dir / "ap-qwen2-moe-g32", bits_min=2, bits_max=8, seed=0,
                               group_size=32)

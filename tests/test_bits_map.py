@@ -25,7 +25,7 @@ def _rows(bits_of=lambda layer, expert, proj: 2 + (layer * 5 + expert * 2 + (pro
 
 
 def _build(tmp_path, doc, **cfg):
-    from pagedweight.paged_runtime import PagedRuntime
+    from pagedweight.runtime.paged_runtime import PagedRuntime
 
     path = tmp_path / "bits.json"
     path.write_text(json.dumps(doc))

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import pagedweight.convert as convert_module
-from pagedweight.convert import ConversionError, convert_checkpoint
+import pagedweight.tools.convert as convert_module
+from pagedweight.tools.convert import ConversionError, convert_checkpoint
 from pagedweight.format.checkpoint import APCheckpoint
-from pagedweight.tiny_model import TinyMoESizes, make_tiny_moe
+from pagedweight.tools.tiny_model import TinyMoESizes, make_tiny_moe
 
 SIZES = TinyMoESizes(num_layers=1, num_experts=2, vocab_size=320, moe_intermediate_size=32)
 

@@ -12,13 +12,13 @@ import torch
 from safetensors.torch import load_file
 
 from pagedweight.cli import main as cli_main
-from pagedweight.convert import convert_checkpoint
+from pagedweight.tools.convert import convert_checkpoint
 from pagedweight.format.arch import ADAPTERS, PROJS, SHARED, BlockKey
 from pagedweight.format.block import weighted_error
 from pagedweight.format.checkpoint import APCheckpoint
 from pagedweight.format.hessian import calibration_windows, collect_moe_inputs, expert_hessians
 from pagedweight.format.layout import codes_from_planes
-from pagedweight.tiny_model import TINY_CORPUS, TinyMoESizes, make_tiny_moe
+from pagedweight.tools.tiny_model import TINY_CORPUS, TinyMoESizes, make_tiny_moe
 
 SIZES = TinyMoESizes(num_layers=2, num_experts=4, vocab_size=320, moe_intermediate_size=64)
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pagedweight.cli import main as cli_main
-from pagedweight.convert import ConversionError, convert_checkpoint
-from pagedweight.tiny_model import TINY_CORPUS, TinyMoESizes, make_tiny_moe
+from pagedweight.tools.convert import ConversionError, convert_checkpoint
+from pagedweight.tools.tiny_model import TINY_CORPUS, TinyMoESizes, make_tiny_moe
 
 SIZES = TinyMoESizes(num_layers=2, num_experts=4, vocab_size=320, moe_intermediate_size=64)
 

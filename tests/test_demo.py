@@ -1,4 +1,4 @@
-"""The demo (pagedweight.demo, scripts/demo.py): its pieces on synthetic states, and the whole run on the CPU engine.
+"""The demo (pagedweight.tools.demo, scripts/demo.py): its pieces on synthetic states, and the whole run on the CPU engine.
 
 End to end it must show what the product does: a burst lowers bitwidths (at least one offload line), every
 request is answered while that happens, the quiet period reloads every block to the parent bitwidth, and the
@@ -13,7 +13,7 @@ import pytest
 
 from pagedweight.bench.state_sampler import StateSample
 from pagedweight.bench.timeline_plot import plot
-from pagedweight.demo import ChangePrinter, describe_histogram, run
+from pagedweight.tools.demo import ChangePrinter, describe_histogram, run
 
 
 def _sample(t, hist, cap, bits=None):

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedweight.convert import ConversionError, convert_checkpoint
+from pagedweight.tools.convert import ConversionError, convert_checkpoint
 from pagedweight.format.arch import BlockKey
 from pagedweight.format.checkpoint import APCheckpoint, APCheckpointWriter
 from pagedweight.format.layout import dequantize
 from pagedweight.format.manifest import APCheckpointError, ModelInfo
 from pagedweight.format.quantize import quantize_block
-from pagedweight.tiny_model import TinyMoESizes, make_tiny_moe
+from pagedweight.tools.tiny_model import TinyMoESizes, make_tiny_moe
 
 CONFIG = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 32,
           "num_hidden_layers": 1, "num_local_experts": 1, "intermediate_size": 16}
@@ -130,7 +130,7 @@ def _layer(cls_name: str, **attrs):
 
 
 def test_ap_names_for_fused_linears():
-    from pagedweight.dense_linear import ap_names_for, is_dense_ap_name
+    from pagedweight.serving.dense_linear import ap_names_for, is_dense_ap_name
 
     assert ap_names_for("model.layers.3.self_attn.qkv_proj") == tuple(
         f"model.layers.3.self_attn.{p}_proj" for p in "qkv")
@@ -145,7 +145,7 @@ def test_ap_names_for_fused_linears():
 
 @pytest.mark.parametrize("rank", [0, 1, 2, 3])
 def test_qkv_shards_follow_sglang_heads_and_kv_replicas(rank):
-    from pagedweight.dense_linear import shard_plan
+    from pagedweight.serving.dense_linear import shard_plan
 
     # 8 query heads, 2 KV heads of 16 over 4 ranks: 2 query heads per rank, each KV head on two ranks
     layer = _layer("QKVParallelLinear", tp_rank=rank, tp_size=4, num_heads=2, num_kv_heads=1, head_size=16,
@@ -159,7 +159,7 @@ def test_qkv_shards_follow_sglang_heads_and_kv_replicas(rank):
 
 
 def test_merged_column_and_row_parallel_shards():
-    from pagedweight.dense_linear import shard_plan
+    from pagedweight.serving.dense_linear import shard_plan
 
     gate_up = _layer("MergedColumnParallelLinear", tp_rank=1, tp_size=2, output_sizes=[128, 128])
     plan = shard_plan(gate_up, ("gate", "up"), {"gate": 128, "up": 128}, 64)
@@ -179,7 +179,7 @@ def test_merged_column_and_row_parallel_shards():
 def test_lm_head_shard_is_the_ranks_original_vocabulary(rank):
     from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-    from pagedweight.dense_linear import shard_plan
+    from pagedweight.serving.dense_linear import shard_plan
 
     # vocab 500 padded to 512 over two ranks: rank 0 owns rows 0..255, rank 1 rows 256..499 (+12 padding rows)
     layer = object.__new__(VocabParallelEmbedding)

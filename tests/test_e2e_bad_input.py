@@ -93,7 +93,7 @@ def test_manifest_hash_mismatch(ap_copy, server_env, cpu_server_flags, tmp_path)
 
 
 def test_checkpoint_for_another_model(tiny_qwen2_moe, tiny_mixtral, work_dir, server_env, cpu_server_flags, tmp_path):
-    from pagedweight.convert import convert_checkpoint
+    from pagedweight.tools.convert import convert_checkpoint
 
     ap_mixtral = convert_checkpoint(tiny_mixtral, tmp_path / "ap-mixtral", bits_min=2, bits_max=8, seed=0)
     _refuses(
@@ -141,7 +141,7 @@ def test_scope_all_needs_dense_blocks(ap_qwen2_moe, server_env, cpu_server_flags
 
 def test_scope_all_tp_shards_must_fall_on_groups(tiny_qwen2_moe, work_dir, server_env, cpu_server_flags, tmp_path):
     """o_proj has 64 inputs at group 64: two ranks would each keep half a group. Refused at launch."""
-    from pagedweight.convert import convert_checkpoint
+    from pagedweight.tools.convert import convert_checkpoint
 
     ap = convert_checkpoint(tiny_qwen2_moe, work_dir / "ap-qwen2-moe-dense-g64", bits_min=2, bits_max=8, seed=0,
                             dense_linears=True, progress=False)

@@ -1,6 +1,6 @@
 """`--load-format dummy` under PagedWeight: the experts' bitwidth reaches the logprobs. With SGLang's dummy
 RMSNorm weights (+-1e-3) a server at 3 bits answered exactly as one at 8 (docs/results/tp2.md), so no "same
-outputs at the same plan" check on a dummy model could fail; python/pagedweight/dummy_weights.py sets them
+outputs at the same plan" check on a dummy model could fail; python/pagedweight/serving/dummy_weights.py sets them
 to 1."""
 
 from __future__ import annotations

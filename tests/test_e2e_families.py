@@ -24,8 +24,8 @@ def _margin(row: list[float]) -> float:
 
 
 def test_olmoe_parent_matches_stock_and_bits_matter(work_dir, server_env):
-    from pagedweight.convert import convert_checkpoint
-    from pagedweight.tiny_model import make_tiny_moe
+    from pagedweight.tools.convert import convert_checkpoint
+    from pagedweight.tools.tiny_model import make_tiny_moe
 
     model = make_tiny_moe(work_dir / "tiny-olmoe", arch="olmoe", seed=0)
     ap = convert_checkpoint(model, work_dir / "ap-olmoe", bits_min=2, bits_max=8, seed=0)

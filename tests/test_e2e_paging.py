@@ -15,7 +15,7 @@ import time
 import pytest
 import requests
 
-from pagedweight.metrics import GAUGES
+from pagedweight.serving.metrics import GAUGES
 from tests.support.server import launch_server, wait_healthy
 
 pytestmark = pytest.mark.e2e
@@ -175,7 +175,7 @@ def test_top_renders_the_servers_state(paging_server, capsys):
     """`pagedweight top --once` against the CPU server: its heat map is the state's blocks (lowest bitwidth over
     the projections of each expert, per layer), its byte lines the state's."""
     from pagedweight.cli import main
-    from pagedweight.top import heat_map
+    from pagedweight.tools.top import heat_map
 
     before = _state(paging_server.url)
     assert main(["top", "--url", paging_server.url, "--once"]) == 0
@@ -194,7 +194,7 @@ def test_quality_policy_with_calibration_serves_a_burst(ap_qwen2_moe, tiny_qwen2
     import subprocess
     import sys
 
-    from pagedweight.tiny_model import TINY_CORPUS
+    from pagedweight.tools.tiny_model import TINY_CORPUS
 
     ap = tmp_path / "ap-calibrated"
     shutil.copytree(ap_qwen2_moe, ap)

@@ -25,7 +25,7 @@ BITS = 3
 
 @pytest.fixture(scope="module")
 def ap_dense(work_dir, tiny_qwen2_moe):
-    from pagedweight.convert import convert_checkpoint
+    from pagedweight.tools.convert import convert_checkpoint
 
     return convert_checkpoint(tiny_qwen2_moe, work_dir / "ap-qwen2-moe-dense", bits_min=2, bits_max=8, seed=0,
                               dense_linears=True, progress=False)
@@ -96,7 +96,7 @@ def test_server_scope_all_reports_dense_linears(ap_dense, server_env, cpu_server
 
 def test_scope_all_under_tp2_matches_tp1(tiny_qwen2_moe, server_env, work_dir):
     """Two CPU ranks: QKV rows by heads, gate/up rows, o_proj/down input columns (bytes and bcq groups)."""
-    from pagedweight.convert import convert_checkpoint
+    from pagedweight.tools.convert import convert_checkpoint
 
     from tests.support.cpu_engine import cpu_tp_env
 

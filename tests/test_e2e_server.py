@@ -119,7 +119,7 @@ def test_startup_log_names_the_policy_and_floor(server):
 @pytest.mark.parametrize("kind", ["kmeans", "ubcq"])
 def test_mixtral_with_other_table_kinds_serves(kind, tiny_mixtral, server_env, cpu_server_flags, work_dir):
     """The second architecture and the other table kinds through the same server path."""
-    from pagedweight.convert import convert_checkpoint
+    from pagedweight.tools.convert import convert_checkpoint
 
     ap = convert_checkpoint(tiny_mixtral, work_dir / f"ap-mixtral-{kind}", table_kind=kind, bits_min=2,
                             bits_max=8, seed=0)
@@ -139,7 +139,7 @@ def test_mixtral_with_other_table_kinds_serves(kind, tiny_mixtral, server_env, c
 def test_hf_checkpoint_plus_separate_ap_dir(server, tiny_qwen2_moe, server_env, cpu_server_flags, work_dir):
     """--model-path <HF bf16 checkpoint> --paged-weight-path <AP dir>: SGLang streams the bf16 experts from
     disk and the plugin drops them; the answers equal the converted model's (same planes, same bitwidth)."""
-    from pagedweight.convert import convert_checkpoint
+    from pagedweight.tools.convert import convert_checkpoint
 
     ap_only = convert_checkpoint(tiny_qwen2_moe, work_dir / "ap-standalone", bits_min=2, bits_max=8, seed=0,
                                  standalone_ap_dir=True)

@@ -45,8 +45,8 @@ else:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-    from pagedweight.elastic_kv import ElasticKVCache
-    from pagedweight.elastic_kv_backing import HostKVBacking, host_bytes_per_token
+    from pagedweight.kvcache.elastic_kv import ElasticKVCache
+    from pagedweight.kvcache.elastic_kv_backing import HostKVBacking, host_bytes_per_token
     from pagedweight.runtime.budget import MemoryBudget
 
     LAYERS, HEADS, DIM = 2, 2, 8

@@ -48,8 +48,8 @@ else:
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    from pagedweight.elastic_kv import ElasticKVCache
-    from pagedweight.elastic_kv_backing import VmmKVBacking, elastic_vmm_owner_class
+    from pagedweight.kvcache.elastic_kv import ElasticKVCache
+    from pagedweight.kvcache.elastic_kv_backing import VmmKVBacking, elastic_vmm_owner_class
     from pagedweight.runtime.budget import MemoryBudget
 
     GRAN = 4096

@@ -9,7 +9,7 @@ import json
 import re
 from pathlib import Path
 
-from pagedweight.metrics import GAUGES, METRIC_PREFIX
+from pagedweight.serving.metrics import GAUGES, METRIC_PREFIX
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "pagedweight-dashboard.json"
 _METRIC = re.compile(r"sglang:[a-z_]+")

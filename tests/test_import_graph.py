@@ -93,3 +93,37 @@ def test_project_has_no_import_cycles():
     mods = project_modules()
     assert "pagedweight.kernels.align" in mods and "pagedweight.patches" in mods
     assert cycles(import_edges(mods)) == []
+
+
+# The modules that may sit at the top of python/pagedweight: the SGLang entry point, the flags and the command line.
+TOP_LEVEL = {"pagedweight.plugin", "pagedweight.config", "pagedweight.cli", "pagedweight.__main__"}
+# Packages that must run without SGLang (and without the serving side that adapts to it).
+SGLANG_FREE = ("pagedweight.runtime", "pagedweight.format", "pagedweight.planner")
+SERVING_SIDE = ("sglang", "pagedweight.serving", "pagedweight.kvcache", "pagedweight.patches", "pagedweight.tools")
+
+
+def imported_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+def test_every_module_sits_in_a_package_that_says_what_it_is():
+    loose = sorted(m for m, path in project_modules().items()
+                   if m.count(".") == 1 and path.name != "__init__.py" and m not in TOP_LEVEL
+                   and m not in ("pagedweight.kernels", "pagedweight.patches"))
+    assert not loose, f"modules loose at the top of python/pagedweight (move them into a package): {loose}"
+
+
+def test_the_core_imports_neither_sglang_nor_the_serving_side():
+    leaks = {}
+    for mod, path in project_modules().items():
+        if mod.startswith(SGLANG_FREE):
+            bad = sorted(n for n in imported_names(path) if n == "sglang" or n.startswith(tuple(f"{s}." for s in SERVING_SIDE)) or n in SERVING_SIDE)
+            if bad:
+                leaks[mod] = bad
+    assert not leaks, f"SGLang-free packages import the serving side: {leaks}"

@@ -1,6 +1,6 @@
 """LatencyHistogram: exact nearest-rank percentiles over the recent window, totals over every sample."""
 
-from pagedweight.latency_histogram import RECENT, LatencyHistogram
+from pagedweight.runtime.latency_histogram import RECENT, LatencyHistogram
 
 
 def test_percentiles_and_totals():

@@ -16,7 +16,7 @@ from pagedweight.format.quantize import quantize_block
 from pagedweight.planner.calibration import APIdentity, CalibrationData
 from pagedweight.planner.moe_capture import find_moe_layers
 from pagedweight.planner.quality_policy import QualityPolicy
-from pagedweight.tiny_model import TINY_CORPUS, TinyMoESizes, make_tiny_moe
+from pagedweight.tools.tiny_model import TINY_CORPUS, TinyMoESizes, make_tiny_moe
 
 SIZES = TinyMoESizes(num_layers=2, hidden_size=64, num_experts=4, top_k=2, moe_intermediate_size=64,
                      shared_expert_intermediate_size=64)
@@ -185,7 +185,7 @@ def test_prompts_from_text_rejects_short_text(calibrated):
 # ---- end to end: tiny model -> AP checkpoint on disk -> `pagedweight calibrate` ------------------------
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    from pagedweight.convert import convert_checkpoint
+    from pagedweight.tools.convert import convert_checkpoint
 
     root = tmp_path_factory.mktemp("e2e")
     model_dir = make_tiny_moe(root / "hf", arch="qwen2_moe", seed=1, sizes=SIZES)

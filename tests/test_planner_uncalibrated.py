@@ -21,7 +21,7 @@ from pagedweight.planner.uncalibrated_policy import (
 from pagedweight.runtime.blocks import BlockKey
 from pagedweight.runtime.page_table import WeightPageTable
 from pagedweight.runtime.planner_api import Observation, validate_plan
-from pagedweight.serving_loop import make_runtime_policy_choice
+from pagedweight.serving.serving_loop import make_runtime_policy_choice
 from tests.support.fake_page_table import Row, Table
 
 SPEC = BlockSpec(out_features=32, in_features=128, bits_min=2, bits_max=8, group_size=64, table_kind="ubcq")
@@ -52,8 +52,8 @@ def policy_for(table: Table, errors: WeightErrors | None, **options) -> Uncalibr
 
 
 def test_converter_writes_weight_errors(tmp_path):
-    from pagedweight.convert import convert_checkpoint
-    from pagedweight.tiny_model import TinyMoESizes, make_tiny_moe
+    from pagedweight.tools.convert import convert_checkpoint
+    from pagedweight.tools.tiny_model import TinyMoESizes, make_tiny_moe
 
     model = make_tiny_moe(tmp_path / "hf", arch="mixtral", seed=0,
                           sizes=TinyMoESizes(num_layers=2, hidden_size=64, num_experts=4, top_k=2, moe_intermediate_size=64))

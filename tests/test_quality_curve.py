@@ -17,7 +17,7 @@ from quality import bootstrap  # noqa: E402
 from quality.report import cheapest_bf16_equivalent, gap_closed, markdown  # noqa: E402
 from quality.swap import ExpertBank, runtime_blocks  # noqa: E402
 
-from pagedweight.tiny_model import TINY_CORPUS, TinyMoESizes, make_tiny_moe  # noqa: E402
+from pagedweight.tools.tiny_model import TINY_CORPUS, TinyMoESizes, make_tiny_moe  # noqa: E402
 
 BITS_MAX = 5  # a short bit range keeps the tiny conversion fast
 SIZES = TinyMoESizes(num_layers=2, hidden_size=64, num_experts=4, top_k=2, moe_intermediate_size=64)
@@ -25,8 +25,8 @@ SIZES = TinyMoESizes(num_layers=2, hidden_size=64, num_experts=4, top_k=2, moe_i
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from pagedweight.calibrate import run_calibrate
-    from pagedweight.convert import convert_checkpoint
+    from pagedweight.tools.calibrate import run_calibrate
+    from pagedweight.tools.convert import convert_checkpoint
     from pagedweight.planner.calibration_stats import CalibrateOptions
 
     root = tmp_path_factory.mktemp("quality")

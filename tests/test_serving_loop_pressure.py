@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from pagedweight.serving_loop import CLIP_MAX_NEW_TOKENS, PagedWeightScheduler, head_of_line_demand_tokens
+from pagedweight.serving.serving_loop import CLIP_MAX_NEW_TOKENS, PagedWeightScheduler, head_of_line_demand_tokens
 
 
 def _req(prompt: int, max_new: int):

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedweight.cli import main as cli_main
-from pagedweight.tiny_model import (
+from pagedweight.tools.tiny_model import (
     EOS_TOKEN,
     IM_END,
     TINY_ARCHS,

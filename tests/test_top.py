@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 
 from pagedweight.cli import main
-from pagedweight.top import Sample, TopError, fetch_state, heat_map, render
+from pagedweight.tools.top import Sample, TopError, fetch_state, heat_map, render
 
 
 def _state(transitions: int = 10) -> dict:

@@ -94,12 +94,12 @@ def _worker(rank: int, init_file: str, mode: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         from pagedweight.config import PagedWeightConfig
-        from pagedweight.paged_runtime import PagedRuntime
+        from pagedweight.runtime.paged_runtime import PagedRuntime
         from pagedweight.planner.factory import make_policy
         from pagedweight.runtime.controller import PagingController
         from pagedweight.runtime.pressure import KVPressureSignal
-        from pagedweight.serving_loop import PagedWeightScheduler
-        from pagedweight.tp_sync import make_tp_sync
+        from pagedweight.serving.serving_loop import PagedWeightScheduler
+        from pagedweight.runtime.tp_sync import make_tp_sync
 
         cuda = mode == "cuda"
         device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -278,7 +278,7 @@ def test_fence_ledger_marks_only_fences_every_rank_completed():
 
 
 def test_make_tp_sync_refuses_a_busy_pager():
-    from pagedweight.tp_sync import make_tp_sync
+    from pagedweight.runtime.tp_sync import make_tp_sync
 
     class _Busy:
         def idle(self) -> bool:
@@ -308,7 +308,7 @@ class _IdlePager:
 
 class _ParkedKV:
     def __init__(self) -> None:
-        from pagedweight.elastic_kv_backing import VmmKVBacking
+        from pagedweight.kvcache.elastic_kv_backing import VmmKVBacking
 
         self.polls = 0
         self.backing = VmmKVBacking.__new__(VmmKVBacking)  # only its fence hook is exercised (no CUDA here)
@@ -320,7 +320,7 @@ class _ParkedKV:
 
 
 def test_make_tp_sync_routes_every_fence_source_through_the_ledger(tmp_path):
-    from pagedweight.tp_sync import make_tp_sync
+    from pagedweight.runtime.tp_sync import make_tp_sync
 
     pager, kv = _IdlePager(), _ParkedKV()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
@@ -341,8 +341,8 @@ class _DoneEvent:
 
 
 def test_report_row_round_trips_inputs_and_digest():
-    from pagedweight.tp_sync import FLAG_FENCES, FLAG_PAYLOAD, FLAG_SRC, ROW, RankDigest, StepInputs, pack_report
-    from pagedweight.tp_sync import unpack_digest, unpack_inputs
+    from pagedweight.runtime.tp_sync import FLAG_FENCES, FLAG_PAYLOAD, FLAG_SRC, ROW, RankDigest, StepInputs, pack_report
+    from pagedweight.runtime.tp_sync import unpack_digest, unpack_inputs
 
     local = StepInputs(available_blocks=7, evictable_blocks=3, now_s=12.345678901234, routing={(0, 1): 0.5},
                        waiting_blocks=9, reloads_held=True)
@@ -362,7 +362,7 @@ def test_report_row_round_trips_inputs_and_digest():
 def test_fences_beyond_the_row_are_agreed_through_the_pickled_exchange(tmp_path):
     """A rank that completed more fences than the row holds sends them all in the second exchange."""
     from pagedweight.runtime.fence_ledger import FenceLedger
-    from pagedweight.tp_sync import FENCE_SLOTS, RankDigest, StepInputs, TpStepSync
+    from pagedweight.runtime.tp_sync import FENCE_SLOTS, RankDigest, StepInputs, TpStepSync
 
     ledger = FenceLedger()
     fences = [ledger.track(_DoneEvent()) for _ in range(FENCE_SLOTS + 5)]

@@ -14,11 +14,11 @@ import sys
 from collections.abc import Sequence
 
 COMMAND_MODULES: tuple[str, ...] = (
-    "pagedweight.tiny_model",  # make-tiny
-    "pagedweight.convert",  # convert
-    "pagedweight.calibrate",  # calibrate
+    "pagedweight.tools.tiny_model",  # make-tiny
+    "pagedweight.tools.convert",  # convert
+    "pagedweight.tools.calibrate",  # calibrate
     "pagedweight.moefy.cli",  # moefy
-    "pagedweight.top",  # top
+    "pagedweight.tools.top",  # top
 )
 
 

@@ -1,4 +1,4 @@
-"""The computation behind `pagedweight calibrate` (the CLI and checkpoint reading are in pagedweight.calibrate).
+"""The computation behind `pagedweight calibrate` (the CLI and checkpoint reading are in pagedweight.tools.calibrate).
 
 Runs the Hugging Face model (transformers, CPU, float32) on the text cut into prompts, captures the routed
 inputs of every MoE layer, and computes per runtime block (layer, expert, w13|w2):

@@ -13,7 +13,7 @@ import torch
 
 from pagedweight.config import PagedWeightConfig
 from pagedweight.format.layout import DEFAULT_TABLE_KIND, BlockSpec
-from pagedweight.moe_method import LayerSource, layer_geometry
+from pagedweight.serving.moe_method import LayerSource, layer_geometry
 from pagedweight.runtime.expert_store import ExpertPlanes, MoELayerStore, ProjectionStore
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ def layer_source_for(server_args: Any, cfg: PagedWeightConfig) -> LayerSource:
         if load_format == "dummy":
             _SOURCES[key] = DummyLayerSource(cfg)
         else:
-            from pagedweight.checkpoint_source import CheckpointLayerSource
+            from pagedweight.serving.checkpoint_source import CheckpointLayerSource
 
             _SOURCES[key] = CheckpointLayerSource(cfg, ap_dir, server_args)
     return _SOURCES[key]

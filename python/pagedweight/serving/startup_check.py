@@ -54,7 +54,7 @@ def check_paged_weight_launch(server_args: Any, cfg: PagedWeightConfig) -> None:
             f"(model_type {hf_config.get('model_type')!r}) has no MoE layers; drop the flag to serve it as is"
         )
     if str(getattr(server_args, "load_format", "auto")) == "dummy":
-        from pagedweight.layer_sources import DUMMY_BITS_MAX, DUMMY_BITS_MIN
+        from pagedweight.serving.layer_sources import DUMMY_BITS_MAX, DUMMY_BITS_MIN
 
         _check_bits(cfg, DUMMY_BITS_MIN, DUMMY_BITS_MAX, "the dummy AP planes")
         _check_dense_bits(cfg, DUMMY_BITS_MIN, DUMMY_BITS_MAX, "the dummy AP planes")

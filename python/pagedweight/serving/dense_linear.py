@@ -235,7 +235,7 @@ class DummyDenseSource:
 
     def load(self, layer: torch.nn.Module, prefix: str, names: tuple[str, ...], bits: int,
              device: torch.device) -> DenseAPWeights:
-        from pagedweight.layer_sources import dummy_table, group_size_for
+        from pagedweight.serving.layer_sources import dummy_table, group_size_for
 
         n, k = _local_shape(layer)
         group = group_size_for(k)

@@ -100,8 +100,8 @@ def prepare_checkpoint(args: argparse.Namespace) -> Path:
             raise SystemExit(f"demo: {args.ap_dir} holds no pagedweight/manifest.json: pass a converted AP "
                              "checkpoint (pagedweight convert --model M --out DIR)")
         return args.ap_dir
-    from pagedweight.convert import convert_checkpoint
-    from pagedweight.tiny_model import make_tiny_moe
+    from pagedweight.tools.convert import convert_checkpoint
+    from pagedweight.tools.tiny_model import make_tiny_moe
 
     hf_dir = args.work / f"tiny-{args.arch}"
     ap_dir = args.work / f"tiny-{args.arch}-ap"

@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import torch
 
-from pagedweight.elastic_kv_backing import KVBacking, host_bytes_per_token
+from pagedweight.kvcache.elastic_kv_backing import KVBacking, host_bytes_per_token
 
 logger = logging.getLogger("pagedweight")
 

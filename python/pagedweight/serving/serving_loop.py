@@ -23,14 +23,14 @@ from typing import Any, Optional
 import torch
 
 from pagedweight.config import PagedWeightConfig
-from pagedweight.latency_histogram import LatencyHistogram
-from pagedweight.paged_runtime import PagedRuntime
+from pagedweight.runtime.latency_histogram import LatencyHistogram
+from pagedweight.runtime.paged_runtime import PagedRuntime
 from pagedweight.planner.choice import PolicyChoice, choose_policy
 from pagedweight.runtime.controller import PagingController
 from pagedweight.planner.scripted_policy import ScriptedPolicy
 from pagedweight.runtime.planner_api import Observation, Policy
 from pagedweight.runtime.pressure import KVPressureSignal
-from pagedweight.tp_sync import RankDigest, StepInputs, TpStepSync, make_tp_sync
+from pagedweight.runtime.tp_sync import RankDigest, StepInputs, TpStepSync, make_tp_sync
 
 logger = logging.getLogger("pagedweight")
 
@@ -157,7 +157,7 @@ class PagedWeightScheduler:
         )
         metrics = None
         if getattr(scheduler.server_args, "enable_metrics", False):
-            from pagedweight.metrics import PagedWeightMetrics
+            from pagedweight.serving.metrics import PagedWeightMetrics
 
             metrics = PagedWeightMetrics(tp_rank=getattr(scheduler, "tp_rank", 0))
         tp_sync = None

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from pagedweight.latency_histogram import LatencyHistogram
+from pagedweight.runtime.latency_histogram import LatencyHistogram
 from pagedweight.runtime.fence_ledger import FenceLedger
 
 logger = logging.getLogger("pagedweight")

@@ -15,7 +15,7 @@ import torch
 from pagedweight.config import PagedWeightConfig
 from pagedweight.format.checkpoint import APCheckpoint
 from pagedweight.format.layout import BlockSpec, is_grouped
-from pagedweight.moe_method import LayerSource, layer_geometry
+from pagedweight.serving.moe_method import LayerSource, layer_geometry
 from pagedweight.runtime.expert_store import ExpertPlanes, MoELayerStore, ProjectionStore
 
 logger = logging.getLogger(__name__)
