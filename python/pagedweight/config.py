@@ -11,13 +11,18 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
+from pagedweight.planner import registry as policy_registry
+
 SERVER_ARGS_ATTR = "_paged_weight"
 AP_SUBDIR = "pagedweight"
-# "auto": quality when the AP checkpoint has a calibration file, else uncalibrated (the quality planner over
-# the converter's weight errors, above a floor of known quality; planner/choice.py). "scripted": a
-# deterministic lowest-layer-first policy (tests, mechanism experiments).
-POLICIES = ("auto", "static", "quality", "uncalibrated", "hotness", "scripted")
 SCOPES = ("experts", "all")
+
+
+def policy_choices() -> tuple[str, ...]:
+    """--paged-weight-policy's values: "auto" (quality when the AP checkpoint has a calibration file, else
+    uncalibrated: the quality planner over the converter's weight errors, above a floor of known quality;
+    planner/choice.py), then every policy of the registry (planner/registry.py)."""
+    return ("auto", *policy_registry.POLICY_REGISTRY.names())
 
 
 class PagedWeightConfigError(ValueError):
@@ -74,8 +79,9 @@ class PagedWeightConfig:
             )
         if self.max_inflight_mib <= 0:
             raise PagedWeightConfigError(f"--paged-weight-max-inflight-mib must be positive, got {self.max_inflight_mib}")
-        if self.policy not in POLICIES:
-            raise PagedWeightConfigError(f"--paged-weight-policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.policy not in policy_choices():
+            raise PagedWeightConfigError(
+                f"--paged-weight-policy must be one of {policy_choices()}, got {self.policy!r}")
         if not self.enable and (self.path is not None or self.bits is not None or self.bits_map is not None):
             raise PagedWeightConfigError(
                 "--paged-weight-path/--paged-weight-bits/--paged-weight-bits-map were given without "
@@ -162,7 +168,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--paged-weight-policy",
         type=str,
         default="auto",
-        choices=POLICIES,
+        choices=policy_choices(),
         help="Bitwidth policy under KV-cache pressure (auto: quality with a calibration file, else uncalibrated: "
         "the quality planner over the converter's weight errors, never below a floor of known quality; the "
         "startup log says which policy and floor are in force and why).",

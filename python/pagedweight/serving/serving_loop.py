@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import struct
 import time
 import zlib
@@ -27,7 +26,8 @@ from pagedweight.runtime.latency_histogram import LatencyHistogram
 from pagedweight.runtime.paged_runtime import PagedRuntime
 from pagedweight.planner.choice import PolicyChoice, choose_policy
 from pagedweight.runtime.controller import PagingController
-from pagedweight.planner.scripted_policy import ScriptedPolicy
+from pagedweight.planner import registry as policy_registry
+from pagedweight.planner.registry import PolicyInputs
 from pagedweight.runtime.planner_api import Observation, Policy
 from pagedweight.runtime.pressure import KVPressureSignal
 from pagedweight.runtime.tp_sync import RankDigest, StepInputs, TpStepSync, make_tp_sync
@@ -40,57 +40,13 @@ ROUTING_REFRESH_S = 0.5
 
 def make_runtime_policy_choice(cfg: PagedWeightConfig, ap_dir: Optional[str],
                                runtime: Optional[PagedRuntime] = None) -> tuple[Policy, PolicyChoice]:
-    """The policy named by --paged-weight-policy ('auto': planner/choice.py) and which floor it plans above, and
-    why; for 'quality' also a RoutingObserver that every MoE layer's forward feeds (routing weights and
-    routed-input norms, on the device)."""
-    from pagedweight.planner.factory import make_policy
-
+    """The policy named by --paged-weight-policy ('auto': planner/choice.py), built by the registry
+    (planner/registry.py), and which floor it plans above, and why; for 'quality' also a RoutingObserver that
+    every MoE layer's forward feeds (routing weights and routed-input norms, on the device)."""
     choice = choose_policy(cfg.policy, ap_dir)
-    name = choice.name
-    table_floor = None if runtime is None else min(row.floor_bits for row in runtime.table)
-    seed = "the checkpoint's seed" if cfg.floor_bits is None else "--paged-weight-min-bits"
-    if name == "scripted":
-        return ScriptedPolicy(), choice.with_floor(f"{table_floor} bits ({seed})")
-    if name == "static":
-        return make_policy(name), choice.with_floor("none needed: bitwidths are fixed")
-    if name == "uncalibrated":
-        if runtime is None:
-            raise ValueError("the uncalibrated policy plans over the runtime's page table; pass the runtime")
-        policy = _uncalibrated_policy(cfg, ap_dir, runtime)
-        return policy, choice.with_floor(f"{policy.floor.bits} bits ({policy.floor.reason})")
-    observer = None
-    if name == "quality" and runtime is not None:
-        from pagedweight.planner.observer import RoutingObserver
-
-        num_layers = max(s.layer_id for s in runtime.stores) + 1
-        num_experts = max(s.w13.num_experts for s in runtime.stores)
-        observer = RoutingObserver(num_layers, num_experts, runtime.stores[0].w13.page_table.device)
-        for store in runtime.stores:
-            store.observer = observer
-    policy = make_policy(name, choice.calibration, observer=observer)
-    if name == "quality":
-        stages = " > ".join("/".join(str(v) for v in st.values()) for st in policy.calib.buckets.floor_stages)
-        floor = (f"hot/warm/cold stages {stages} bits as the pressure needs (calibration), never below "
-                 f"{table_floor} bits ({seed})")
-    else:
-        floor = f"{table_floor} bits ({seed}): cold experts go there under pressure"
+    inputs = PolicyInputs(ap_dir=ap_dir, runtime=runtime, calibration=choice.calibration, floor_bits=cfg.floor_bits)
+    policy, floor = policy_registry.POLICY_REGISTRY.build(choice.name, inputs)
     return policy, choice.with_floor(floor)
-
-
-def _uncalibrated_policy(cfg: PagedWeightConfig, ap_dir: Optional[str], runtime: PagedRuntime):
-    from pagedweight.format.weight_errors import WEIGHT_ERRORS_FILENAME, WeightErrors
-    from pagedweight.planner.uncalibrated_policy import UncalibratedOptions, UncalibratedPolicy
-
-    rows = list(runtime.table)
-    errors = None
-    if ap_dir is not None and os.path.isfile(os.path.join(ap_dir, WEIGHT_ERRORS_FILENAME)):
-        errors = WeightErrors.load(ap_dir)
-        spec = rows[0].spec
-        errors.check_matches(spec.table_kind, spec.bits_min, spec.bits_max)
-    return UncalibratedPolicy.from_errors(
-        errors, [tuple(row.key) for row in rows], min(r.spec.bits_min for r in rows), max(r.spec.bits_max for r in rows),
-        min(r.floor_bits for r in rows), UncalibratedOptions(floor_bits=cfg.floor_bits),
-    )
 
 
 def serving_policy(cfg: PagedWeightConfig, ap_dir, runtime: PagedRuntime, *, fixed_kv: bool) -> tuple[Policy, str]:
