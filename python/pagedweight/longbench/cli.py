@@ -185,6 +185,9 @@ def _cmd_make_fixtures(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = _build_parser().parse_args(argv)
+    from pagedweight.tools.extras import require_extra
+
+    require_extra("longbench", "pagedweight-longbench")
     from pagedweight.longbench.backend import BackendError
     from pagedweight.longbench.data import LongBenchDataError
     from pagedweight.longbench.metrics import MetricDependencyError

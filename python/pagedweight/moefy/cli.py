@@ -76,6 +76,9 @@ def _gguf_path(args: argparse.Namespace, command: str) -> Path:
 
 
 def _run_recipe_cli(args: argparse.Namespace) -> int:
+    from pagedweight.tools.extras import require_extra
+
+    require_extra("moefy", "pagedweight moefy-recipe")
     from pagedweight.moefy import gguf_source, recipe
 
     gguf_path = _gguf_path(args, "moefy-recipe")
@@ -110,6 +113,9 @@ def _run_rebuild(args: argparse.Namespace) -> int:
 
 
 def _run_cli(args: argparse.Namespace) -> int:
+    from pagedweight.tools.extras import require_extra
+
+    require_extra("moefy", "pagedweight moefy")
     import torch
 
     from pagedweight.moefy.build import MoefyBuildConfig, build_moe_checkpoint

@@ -10,7 +10,6 @@ finds the minimum-total-distance one-to-one matching of neurons to centroid slot
 from __future__ import annotations
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 
 def neuron_features(gate_proj: np.ndarray, up_proj: np.ndarray) -> np.ndarray:
@@ -51,6 +50,8 @@ def balanced_assignment(points: np.ndarray, centroids: np.ndarray) -> np.ndarray
     size = num_points // num_clusters
     # float64 costs: the assignment solver compares sums of many small differences.
     cost = np.repeat(_squared_distances(points, centroids).astype(np.float64), size, axis=1)  # [n, n]
+    from scipy.optimize import linear_sum_assignment  # the moefy extra; imported here so the CLI builds without it
+
     rows, slots = linear_sum_assignment(cost)
     labels = np.empty(num_points, dtype=np.int64)
     labels[rows] = slots // size
