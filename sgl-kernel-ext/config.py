@@ -96,10 +96,8 @@ def split_k_for(blocks: int, k_tiles: int, num_sms: int, per_sm: int = 2) -> int
 
 # Dequantize-then-GEMM once an expert has this many (token, slot) pairs on average, with the per-projection
 # scratch of a chunk of experts capped at this many bytes. The dequantization is a fixed cost per call (every
-# expert rebuilt once); the tile kernels rebuild every weight once per block of tokens instead. H200, 4 bits,
-# both paths timed in one run (docs/results/kernel.md, session 7, CUDA dequantization): Mixtral 16 pairs per
-# expert (M=64) tiles 1.29 ms vs 2.20 ms, 64 (M=256) tiles 2.81 ms vs 2.37 ms; Qwen1.5-MoE 34 pairs (M=512)
-# tiles 0.67 ms vs 0.88 ms, 136 (M=2048) tiles 1.99 ms vs 1.32 ms. With the Triton rebuild the crossover was 128.
+# expert rebuilt once); the tile kernels rebuild every weight once per block of tokens instead, so the tiles win
+# with few pairs per expert and the rebuild with many (both timed side by side: docs/results/kernel.md, session 7).
 DEQUANT_MIN_PAIRS_PER_EXPERT = 64
 DEQUANT_SCRATCH_BYTES = 512 * 2**20
 
@@ -166,11 +164,9 @@ def default_linear_config(m: int, n: int, k: int, group_size: int | None, num_sm
 
 # The activation-side-table kernel (cuda_lut.py, CUDA, bcq) serves decode sizes. Its cost grows with the
 # (token, slot) pairs (one table lookup per pair and plane nibble), the tile kernels' with the experts hit
-# (tensor cores take an expert's pairs for free). H200, 4 bits (docs/results/kernel.md, final kernel): Mixtral
-# M=4 (1.46 pairs per expected expert) LUT 491 us vs tiles 797, Qwen1.5-MoE M=16 (1.6) 210 vs 254, Mixtral
-# M=16 (4.0) 1390 vs 802. So the LUT kernel runs while the pairs per expert expected to be hit stay at most
-# LUT_MAX_PAIRS_PER_EXPERT, and ap_linear while x has at most LINEAR_LUT_MAX_M rows (linear_bench: LUT ahead
-# of the tiles at M <= 4 on every dense shape, behind at M = 8 before the two-lane kernel; not re-timed).
+# (tensor cores take an expert's pairs for free). So the LUT kernel runs while the pairs per expert expected to be
+# hit stay at most LUT_MAX_PAIRS_PER_EXPERT, and ap_linear while x has at most LINEAR_LUT_MAX_M rows (the
+# crossovers measured: docs/results/kernel.md, the LUT kernel's sessions; benchmark/linear_bench.py).
 LUT_MAX_PAIRS_PER_EXPERT = 2.0
 LINEAR_LUT_MAX_M = 4
 
@@ -191,12 +187,9 @@ def prefer_lut(num_tokens: int, topk: int, num_experts: int,
 
 
 # The tensor-core kernel (cuda_mma.py, CUDA, ubcq) serves the sizes between one pair per expert and the
-# prefill path: its cost is per weight (the pairs of a block ride in the MMA's N dimension), the LUT
-# kernel's per pair. H200, 4 bits, same run (docs/results/kernel.md, session 9): LUT ahead at M = 1 (Mixtral
-# 130 vs 147 us, Qwen1.5-MoE 30 vs 35) and Qwen M = 4 (1.13 pairs per expert hit: 66 vs 71); MMA ahead at
-# Mixtral M = 4 (1.46: 348 vs 410), Qwen M = 16 (1.6: 132 vs 181), Mixtral M = 16 (404 vs tiles 703) and
-# Qwen M = 64 (4.3: 192 vs tiles 317). At Mixtral M = 64 (16 per expert) MMA 1120-1190 us and tiles 1135 are
-# even, so the tiles keep it; at 64 per expert (Mixtral M = 256) the prefill path wins (2300 vs 3856).
+# prefill path: its cost is per weight (the pairs of a block ride in the MMA's N dimension), the LUT kernel's per
+# pair, so it takes over from the LUT kernel above MMA_MIN_PAIRS_PER_EXPERT and hands over to the tiles / prefill
+# path above MMA_MAX_PAIRS_PER_EXPERT (all timed in one run: docs/results/kernel.md, session 9).
 MMA_MIN_PAIRS_PER_EXPERT = 1.3
 MMA_MAX_PAIRS_PER_EXPERT = 12.0
 
@@ -211,11 +204,9 @@ def prefer_mma(num_tokens: int, topk: int, num_experts: int) -> bool:
 
 # The fold kernel (cuda_fold.py, CUDA, ubcq, groups of a multiple of 128) is asked before the MMA and LUT kernels for
 # one token, and for more tokens while the intermediate size is at least FOLD_MIN_INTERMEDIATE and the pairs per
-# expected expert hit stay <= FOLD_MAX_PAIRS_PER_EXPERT. H200, 4 bits, the kernels side by side in one call
-# (docs/results/kernel.md, session 16): fold ahead on Mixtral and Qwen1.5-MoE at every decode size, and on
-# Qwen3-30B-A3B (I = 768) by 2-3% against MMA at M = 16 / 64 (126.9 / 190.2 us vs 129.2 / 195.3) and even with LUT
-# at M = 4 (66.2 vs 66.1); behind on Qwen3's TP-2 shard (I = 384, w2 has 3 chunks of K): MMA 86.4 / 124.2 vs fold
-# 91.5 / 134.6 at M = 16 / 64, LUT 44.9 vs 51.6 at M = 4.
+# expected expert hit stay <= FOLD_MAX_PAIRS_PER_EXPERT. Below that intermediate size w2 has too few chunks of K
+# to fill its ring and the MMA / LUT kernels are ahead (the kernels side by side: docs/results/kernel.md,
+# session 16: fold ahead at I = 768 and above, behind at Qwen3's TP-2 shard, I = 384).
 FOLD_MAX_PAIRS_PER_EXPERT = 24.0
 FOLD_MIN_INTERMEDIATE = 768
 
@@ -234,9 +225,7 @@ def prefer_fold(num_tokens: int, topk: int, num_experts: int, intermediate: int)
 # kernels: from GROUPED_MIN_PAIRS_PER_EXPERT pairs per expected expert hit it replaces the tile kernels and the
 # dequantize-then-GEMM prefill path (it decodes the planes in its mainloop: no scratch).
 # Up to GROUPED_MAX_PAIRS_PER_EXPERT: beyond it the dequantize-then-GEMM path, which rebuilds each expert once
-# into a scratch, is still faster (H200, 4 bits, docs/results/kernel.md run 18: Mixtral M = 2048, 512 pairs per
-# expert, 4.59 ms vs grouped 5.49; at 128 per expert the grouped kernel leads on every shape: Qwen3-30B-A3B M = 2048
-# 0.98 vs 1.16 ms, Mixtral M = 512 1.67 vs 2.57, Qwen1.5-MoE M = 2048 0.83 vs 1.02).
+# into a scratch, is still faster (both timed side by side: docs/results/kernel.md, run 18).
 GROUPED_MIN_PAIRS_PER_EXPERT = 16.0
 GROUPED_MAX_PAIRS_PER_EXPERT = 256.0
 

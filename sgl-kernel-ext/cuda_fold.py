@@ -30,10 +30,9 @@ from pagedweight.kernels.weights import APMoEWeights
 
 CHUNK = 128
 NWARPS = 4
-# H200 sweep (benchmark/fold_sweep.py, docs/results/kernel.md session 11): resident warps matter more than stages
-# in flight: an 8 KB ring per warp (two stages at 4 bits, one at 8) with registers capped for 4 blocks (16 warps)
-# per SM ran Mixtral M = 1 / 16 in 108 / 357 us, against 141 / 468 with 16 KB rings (3 blocks) and 155 / 493
-# with 24 KB (2 blocks); w13 with its K split over 2 warps was even or faster on every shape timed.
+# Resident warps matter more than stages in flight: an 8 KB ring per warp (two stages at 4 bits) with registers
+# capped for 4 blocks (16 warps) per SM beat larger rings at fewer blocks, and w13 with its K split over 2 warps was
+# even or faster on every shape (benchmark/fold_sweep.py; docs/results/kernel.md, session 11).
 DEFAULT_RING_KB = 8
 N_TILES = (1, 2)
 ROW_TILES = (1, 2, 4)
@@ -50,8 +49,8 @@ DEFAULT_MIN_BLOCKS = 4
 # 128-byte ones; fold_sweep.py, docs/results/kernel.md session 15)
 DEFAULT_L2_PREFETCH = 128
 # w2's K slices: beyond the 1.5 blocks per SM, more slices while the grid holds fewer than 3.5 blocks per SM and
-# each slice keeps >= 14 chunks (H200, fold_sweep.py, docs/results/kernel.md session 14: Mixtral M = 1 and its
-# TP-2 shard ran faster with 4 slices than 2; Qwen's short w2, 6-11 chunks, slower with any more)
+# each slice keeps >= 14 chunks (a long w2 gains from more slices at one token, a short one loses: fold_sweep.py,
+# docs/results/kernel.md session 14)
 W2_FILL_BLOCKS_PER_SM = 3.5
 W2_MIN_SLICE_CHUNKS = 14
 
