@@ -19,11 +19,11 @@ from dataclasses import replace
 
 import torch
 
-from pagedweight.kernels.cuda_fold import ap_fused_moe_fold, default_fold_configs
+from pagedweight.kernels.cuda_fold import DEFAULT_MIN_BLOCKS, ap_fused_moe_fold, default_fold_configs
 from pagedweight.kernels.testing import random_ap_projection
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_bench import MODELS, graph_time, make_routing  # noqa: E402
+from kernel_bench import MODELS, case_bits, graph_time, make_routing  # noqa: E402
 
 
 def both(c13, c2, **kw):
@@ -48,6 +48,12 @@ def candidates(c13, c2, w2, names=None):
             "rt2_mb4": both(c13, c2, row_tiles=2),
             "rt4_kb16_mb2": both(c13, c2, row_tiles=4, ring_kb=16, min_blocks=2),
             "rt2w2_mb3": (c13, replace(c2, row_tiles=2, min_blocks=3)),
+            # against a default that already gives w2 two row tiles (two n-tiles): back to one, and neighbours
+            "rt1w2": (c13, replace(c2, row_tiles=1, min_blocks=DEFAULT_MIN_BLOCKS)),
+            "rt2w2_mb4": (c13, replace(c2, row_tiles=2, min_blocks=4)),
+            "rt2w2_mb2": (c13, replace(c2, row_tiles=2, min_blocks=2)),
+            "rt2w2_kb16_mb3": (c13, replace(c2, row_tiles=2, ring_kb=16, min_blocks=3)),
+            "rt4w2_kb16_mb2": (c13, replace(c2, row_tiles=4, ring_kb=16, min_blocks=2)),
             "pf128": both(c13, c2, l2_prefetch=128),
             "pf256": both(c13, c2, l2_prefetch=256),
             "sc8_kb16_mb3": both(c13, c2, stage_chunks=8, ring_kb=16, min_blocks=3),
@@ -112,6 +118,7 @@ def main() -> None:
     ap.add_argument("--models", default="mixtral,qwen15moe")
     ap.add_argument("--ms", default="1,16")
     ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--case", default="", help="kernel_bench case (u3, u8, mix4, ...); overrides --bits")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--candidates", default="", help="comma list of named variants (ss1, ss1_bpf0, mb5_ss1_bpf0, ...)")
     ap.add_argument("--no-profile", action="store_true")
@@ -123,8 +130,9 @@ def main() -> None:
     for mk in args.models.split(","):
         md = MODELS[mk]
         E, topk, H, I = md["E"], md["topk"], md["H"], md["I"]
-        p13 = random_ap_projection(E, 2 * I, H, [args.bits] * E, table_kind="ubcq", bits_min=2, seed=1, device=dev)
-        p2 = random_ap_projection(E, H, I, [args.bits] * E, table_kind="ubcq", bits_min=2, seed=2, device=dev)
+        case = args.case or f"u{args.bits}"
+        p13 = random_ap_projection(E, 2 * I, H, case_bits(case, E, "w13"), table_kind="ubcq", bits_min=2, seed=1, device=dev)
+        p2 = random_ap_projection(E, H, I, case_bits(case, E, "w2"), table_kind="ubcq", bits_min=2, seed=2, device=dev)
         w13, w2 = p13.weights, p2.weights
         for M in [int(v) for v in args.ms.split(",")]:
             x = torch.randn((M, H), device=dev, dtype=torch.bfloat16)
@@ -135,7 +143,7 @@ def main() -> None:
                 rows.append(dict(model=mk, M=M, cand="kernels", kernel_us=kt, cfg13=vars(c13), cfg2=vars(c2)))
                 print(f"{mk} M={M} kernels: {kt}", flush=True)
             for name, cfgs in candidates(c13, c2, w2, [c for c in args.candidates.split(",") if c]):
-                r = dict(model=mk, M=M, cand=name, cfg13=vars(cfgs[0]), cfg2=vars(cfgs[1]))
+                r = dict(model=mk, case=case, M=M, cand=name, cfg13=vars(cfgs[0]), cfg2=vars(cfgs[1]))
                 try:
                     ap_fused_moe_fold(x, tw, ids, w13, w2, configs=cfgs)
                     r["us"] = graph_time(lambda: ap_fused_moe_fold(x, tw, ids, w13, w2, configs=cfgs), args.reps, flush)["median"]

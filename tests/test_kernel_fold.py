@@ -195,6 +195,9 @@ def test_configs_and_refusals():
     assert one2.k_per_split % w2.group_size == 0 and one2.k_per_split < w2.K
     big, big2 = default_fold_configs(64, 2, w13, w2, num_sms=132)  # 16 pairs per expert: two n-tiles
     assert not big.direct and big.n_tiles == big2.n_tiles == 2
+    # at two n-tiles w2's warps hold two row tiles (one activation load feeds both), w13's keep one
+    assert (big2.row_tiles, big2.min_blocks, big.row_tiles) == (2, 3, 1)
+    assert one2.row_tiles == one.row_tiles == 1
     assert "CUDA" in fold_unsupported(w13)
     bcq = random_ap_projection(1, 64, 256, [4], table_kind="bcq", bits_min=4).weights
     g32 = random_ap_projection(1, 64, 256, [4], table_kind="ubcq", group_size=32, bits_min=4).weights
@@ -306,6 +309,7 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
     layouts.append((FoldConfig(1, wk=2, row_tiles=2, min_blocks=3), FoldConfig(1, k_per_split=128, row_tiles=2, min_blocks=3)))
     layouts.append((FoldConfig(2, row_tiles=4, ring_kb=16, min_blocks=2), FoldConfig(2, row_tiles=4, ring_kb=16, min_blocks=2)))
     layouts.append((FoldConfig(1, direct=True, row_tiles=2, min_blocks=3), FoldConfig(1, direct=True, row_tiles=2, min_blocks=3)))
+    layouts.append((FoldConfig(2, wk=2), FoldConfig(2, k_per_split=128, row_tiles=2, min_blocks=3)))  # the NT=2 rule
     for cfgs in layouts:
         out = ap_fused_moe_fold(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
         assert rel_err(out, ref) < 2e-2, cfgs
