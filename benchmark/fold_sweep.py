@@ -118,6 +118,7 @@ def main() -> None:
     ap.add_argument("--models", default="mixtral,qwen15moe")
     ap.add_argument("--ms", default="1,16")
     ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--bits-max", type=int, default=8, help="planes stored per expert (the parent bitwidth)")
     ap.add_argument("--case", default="", help="kernel_bench case (u3, u8, mix4, ...); overrides --bits")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--candidates", default="", help="comma list of named variants (ss1, ss1_bpf0, mb5_ss1_bpf0, ...)")
@@ -131,8 +132,10 @@ def main() -> None:
         md = MODELS[mk]
         E, topk, H, I = md["E"], md["topk"], md["H"], md["I"]
         case = args.case or f"u{args.bits}"
-        p13 = random_ap_projection(E, 2 * I, H, case_bits(case, E, "w13"), table_kind="ubcq", bits_min=2, seed=1, device=dev)
-        p2 = random_ap_projection(E, H, I, case_bits(case, E, "w2"), table_kind="ubcq", bits_min=2, seed=2, device=dev)
+        p13 = random_ap_projection(E, 2 * I, H, case_bits(case, E, "w13"), table_kind="ubcq", bits_min=2,
+                                   bits_max=args.bits_max, seed=1, device=dev)
+        p2 = random_ap_projection(E, H, I, case_bits(case, E, "w2"), table_kind="ubcq", bits_min=2,
+                                  bits_max=args.bits_max, seed=2, device=dev)
         w13, w2 = p13.weights, p2.weights
         for M in [int(v) for v in args.ms.split(",")]:
             x = torch.randn((M, H), device=dev, dtype=torch.bfloat16)

@@ -53,9 +53,13 @@ DEFAULT_L2_PREFETCH = 128
 # docs/results/kernel.md session 14)
 W2_FILL_BLOCKS_PER_SM = 3.5
 W2_MIN_SLICE_CHUNKS = 14
-# w2 at two n-tiles: two 16-row tiles per warp share each chunk's activation load, at 3 blocks per SM for the
-# registers (the split count is chosen at one row tile, as measured); at one n-tile the extra registers cost more
-# than the shared load saves (fold_sweep.py rt2w2_mb3, docs/results/kernel.md session 17)
+# w2 at two n-tiles of a parent of at most 4 planes: two 16-row tiles per warp share each chunk's activation load,
+# at 3 blocks per SM for the registers (the split count is chosen at one row tile, as measured). Where experts may
+# commit up to 8 planes, one tile measured faster at 8 bits and on mixed bitwidths (with an 8 or a 16 KB ring), and
+# so it is at one n-tile, where the registers cost more than the shared load saves (fold_sweep.py rt1w2 / rt2w2_*,
+# docs/results/kernel.md session 17). The rule reads the stored planes, not the committed ones, so a captured CUDA
+# graph stays right for every plan.
+W2_ROW_TILES_MAX_PLANES = 4
 W2_ROW_TILES_AT_TWO_N_TILES = 2
 W2_MIN_BLOCKS_AT_TWO_N_TILES = 3
 
@@ -180,7 +184,7 @@ def default_fold_configs(m: int, topk: int, w13: APMoEWeights, w2: APMoEWeights,
                          blocks_per_sm: float = 1.5) -> tuple[FoldConfig, FoldConfig]:
     """One pair per block for one token; else blocks of 8 (or 16) slots of one expert. w13 splits K across 2
     warps of a block (4 while the grid holds fewer than `blocks_per_sm` blocks per SM), w2 across blocks
-    until it holds that many; at two n-tiles w2's warps hold two row tiles each."""
+    until it holds that many; at two n-tiles and a parent of <= 4 planes w2's warps hold two row tiles each."""
     pairs = m * topk
     if m == 1:
         nt, direct, units = 1, True, float(pairs)
@@ -205,7 +209,7 @@ def default_fold_configs(m: int, topk: int, w13: APMoEWeights, w2: APMoEWeights,
         splits *= 2
     cfg13 = FoldConfig(n_tiles=nt, direct=direct, wk=wk)
     cfg2 = FoldConfig(n_tiles=nt, direct=direct, k_per_split=_split_chunks(chunks2, gc2, splits))
-    if nt == 2:
+    if nt == 2 and w2.bits_max <= W2_ROW_TILES_MAX_PLANES:
         cfg2 = replace(cfg2, row_tiles=W2_ROW_TILES_AT_TWO_N_TILES, min_blocks=W2_MIN_BLOCKS_AT_TWO_N_TILES)
     return cfg13, cfg2
 

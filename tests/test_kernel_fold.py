@@ -195,9 +195,15 @@ def test_configs_and_refusals():
     assert one2.k_per_split % w2.group_size == 0 and one2.k_per_split < w2.K
     big, big2 = default_fold_configs(64, 2, w13, w2, num_sms=132)  # 16 pairs per expert: two n-tiles
     assert not big.direct and big.n_tiles == big2.n_tiles == 2
-    # at two n-tiles w2's warps hold two row tiles (one activation load feeds both), w13's keep one
-    assert (big2.row_tiles, big2.min_blocks, big.row_tiles) == (2, 3, 1)
-    assert one2.row_tiles == one.row_tiles == 1
+    # an 8-plane parent keeps one row tile; at <= 4 stored planes and two n-tiles w2's warps hold two row tiles
+    # (one activation load feeds both), w13's keep one
+    assert big2.row_tiles == big.row_tiles == one2.row_tiles == one.row_tiles == 1
+    p4_13 = random_ap_projection(8, 2 * 1408, 2048, [4] * 8, table_kind="ubcq", bits_min=2, bits_max=4).weights
+    p4_2 = random_ap_projection(8, 2048, 1408, [4] * 8, table_kind="ubcq", bits_min=2, bits_max=4).weights
+    big4, big4_2 = default_fold_configs(64, 2, p4_13, p4_2, num_sms=132)
+    assert (big4_2.row_tiles, big4_2.min_blocks, big4.row_tiles) == (2, 3, 1)
+    assert big4_2.k_per_split == big2.k_per_split  # the K slices are chosen at one row tile
+    assert default_fold_configs(16, 2, p4_13, p4_2, num_sms=132)[1].row_tiles == 1  # one n-tile
     assert "CUDA" in fold_unsupported(w13)
     bcq = random_ap_projection(1, 64, 256, [4], table_kind="bcq", bits_min=4).weights
     g32 = random_ap_projection(1, 64, 256, [4], table_kind="ubcq", group_size=32, bits_min=4).weights
