@@ -14,6 +14,7 @@ from pagedweight import config as pw_config
 logger = logging.getLogger(__name__)
 
 TARGET = "sglang.srt.server_args.ServerArgs"
+_FUSION_FLAG = "disable_shared_experts_fusion"
 
 
 def get_config(server_args: Any) -> pw_config.PagedWeightConfig:
@@ -30,6 +31,14 @@ def add_cli_args_after(result, parser, *args, **kwargs):
     return result
 
 
+def _unfuse_shared_experts(values: Any, get, put) -> None:
+    """PagedWeight serves routed experts from AP planes and a shared expert as its own MLP; SGLang fuses the
+    shared expert into the routed kernel on CUDA (GLM-4.5, DeepSeek) unless told not to. Set the flag, say so."""
+    if not get(values):
+        put(values)
+        logger.info("PagedWeight: --disable-shared-experts-fusion set (AP experts run apart from any shared expert)")
+
+
 def from_cli_args_around(original, *args, **kwargs):
     # classmethod: args = (namespace,) once bound; tolerate (cls, namespace) too.
     from pagedweight.serving.startup_check import PagedWeightStartupError
@@ -37,6 +46,9 @@ def from_cli_args_around(original, *args, **kwargs):
     namespace = args[-1] if args else kwargs["args"]
     try:
         cfg = pw_config.from_namespace(namespace)
+        if cfg.enable:
+            _unfuse_shared_experts(namespace, lambda ns: getattr(ns, _FUSION_FLAG, False),
+                                   lambda ns: setattr(ns, _FUSION_FLAG, True))
         server_args = original(*args, **kwargs)
         _attach(server_args, cfg)
         if cfg.enable:
@@ -50,6 +62,8 @@ def from_cli_args_around(original, *args, **kwargs):
 def init_around(original, self, *args, **kwargs):
     """ServerArgs(**kwargs) as built by sglang.Engine(**kwargs): accept and strip our keys."""
     cfg: Optional[pw_config.PagedWeightConfig] = pw_config.pop_kwargs(kwargs)
+    if cfg is not None and cfg.enable:
+        _unfuse_shared_experts(kwargs, lambda kw: kw.get(_FUSION_FLAG, False), lambda kw: kw.__setitem__(_FUSION_FLAG, True))
     original(self, *args, **kwargs)
     if cfg is not None:
         _attach(self, cfg)

@@ -1,5 +1,6 @@
-"""Model families beyond the first three, end to end on the CPU engine (issue #23): a tiny random OLMoE made by
-transformers, converted to AP and served with --enable-paged-weight, against stock SGLang on its bf16 source."""
+"""Model families beyond the first three, end to end on the CPU engine (issue #23): tiny random OLMoE and GLM-4.5 MoE
+checkpoints made by transformers, converted to AP and served with --enable-paged-weight, against stock SGLang on
+their bf16 sources."""
 
 from __future__ import annotations
 
@@ -23,17 +24,20 @@ def _margin(row: list[float]) -> float:
     return top2[0] - top2[1]
 
 
-def test_olmoe_parent_matches_stock_and_bits_matter(work_dir, server_env):
+@pytest.mark.parametrize("arch", ["olmoe", "glm4_moe"])
+def test_family_parent_matches_stock_and_bits_matter(arch, work_dir, server_env):
+    """OLMoE: no shared expert, query / key norms. GLM-4.5 MoE: sigmoid routing with a score-correction bias, a
+    shared expert (quantized, and kept in bf16 for --paged-weight-scope experts), a dense first layer."""
     from pagedweight.tools.convert import convert_checkpoint
     from pagedweight.tools.tiny_model import make_tiny_moe
 
-    model = make_tiny_moe(work_dir / "tiny-olmoe", arch="olmoe", seed=0)
-    ap = convert_checkpoint(model, work_dir / "ap-olmoe", bits_min=2, bits_max=8, seed=0)
+    model = make_tiny_moe(work_dir / f"tiny-{arch}", arch=arch, seed=0)
+    ap = convert_checkpoint(model, work_dir / f"ap-{arch}", bits_min=2, bits_max=8, seed=0)
     ref = distributions(model, {}, server_env, PROMPT)
     at8 = distributions(ap, {"enable_paged_weight": True, "paged_weight_bits": 8}, server_env, PROMPT)
     at2 = distributions(ap, {"enable_paged_weight": True, "paged_weight_bits": 2}, server_env, PROMPT)
     kl8, kl2 = mean_kl(ref, at8), mean_kl(ref, at2)
-    print("OLMoE mean KL(stock bf16 || paged):", {8: kl8, 2: kl2})
+    print(f"{arch} mean KL(stock bf16 || paged):", {8: kl8, 2: kl2})
     assert all(math.isfinite(v) for row in at8 for v in row if v > -math.inf)
     assert kl8 < 1e-3, kl8
     assert kl2 > 5 * kl8, (kl8, kl2)  # the experts really run from the planes, at the committed bits

@@ -27,6 +27,7 @@ EXPERT_PATTERNS = {
     "qwen3_moe": r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight",
     "mixtral": r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight",
     "olmoe": r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight",
+    "glm4_moe": r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight",
 }
 
 
@@ -50,17 +51,23 @@ def test_expert_tensors_use_per_expert_hf_names(tiny):
         if m:
             experts[(int(m[1]), int(m[2]), m[3])] = tensor
     projs = ("w1", "w2", "w3") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    assert set(experts) == {(l, e, p) for l in range(SIZES.num_layers) for e in range(SIZES.num_experts) for p in projs}
+    first_moe = 1 if arch == "glm4_moe" else 0  # GLM-4.5's first_k_dense_replace = 1: layer 0 has a dense MLP
+    moe_layers = range(first_moe, SIZES.num_layers)
+    assert set(experts) == {(l, e, p) for l in moe_layers for e in range(SIZES.num_experts) for p in projs}
     down = "w2" if arch == "mixtral" else "down_proj"
     gate = "w1" if arch == "mixtral" else "gate_proj"
-    assert experts[(0, 0, down)].shape == (SIZES.hidden_size, SIZES.moe_intermediate_size)
-    assert experts[(0, 0, gate)].shape == (SIZES.moe_intermediate_size, SIZES.hidden_size)
+    assert experts[(first_moe, 0, down)].shape == (SIZES.hidden_size, SIZES.moe_intermediate_size)
+    assert experts[(first_moe, 0, gate)].shape == (SIZES.moe_intermediate_size, SIZES.hidden_size)
     assert all(t.dtype == torch.bfloat16 for t in state.values())
     if arch == "qwen2_moe":
         assert state["model.layers.1.mlp.shared_expert.down_proj.weight"].shape == (
             SIZES.hidden_size,
             SIZES.shared_expert_intermediate_size,
         )
+    if arch == "glm4_moe":
+        assert state["model.layers.0.mlp.down_proj.weight"].shape == (SIZES.hidden_size, SIZES.shared_expert_intermediate_size)
+        assert state["model.layers.1.mlp.shared_experts.down_proj.weight"].shape == (
+            SIZES.hidden_size, SIZES.moe_intermediate_size)
 
 
 def test_transformers_reloads_model_and_tokenizer(tiny):

@@ -66,29 +66,25 @@ class ArchAdapter:
 
 _QWEN_PROJS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
+_QWEN_EXPERTS = r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight"
+
+
+def _mlp_experts(model_type: str, shared: str | None, num_experts_keys: tuple[str, ...]) -> ArchAdapter:
+    """An adapter for Qwen-style names: experts under `mlp.experts.E`, the shared expert (if any) under `mlp.<shared>`."""
+    shared_re = None
+    if shared is not None:
+        shared_re = re.compile(rf"model\.layers\.(\d+)\.mlp\.{shared}\.(gate_proj|up_proj|down_proj)\.weight")
+    return ArchAdapter(model_type, re.compile(_QWEN_EXPERTS), shared_re, _QWEN_PROJS, num_experts_keys)
+
+
 ADAPTERS: dict[str, ArchAdapter] = {
-    "qwen2_moe": ArchAdapter(
-        "qwen2_moe",
-        re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight"),
-        re.compile(r"model\.layers\.(\d+)\.mlp\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight"),
-        _QWEN_PROJS,
-        ("num_experts",),
-    ),
-    "qwen3_moe": ArchAdapter(
-        "qwen3_moe",
-        re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight"),
-        None,
-        _QWEN_PROJS,
-        ("num_experts", "num_local_experts"),
-    ),
+    "qwen2_moe": _mlp_experts("qwen2_moe", "shared_expert", ("num_experts",)),
+    "qwen3_moe": _mlp_experts("qwen3_moe", None, ("num_experts", "num_local_experts")),
     # OLMoE: Qwen3-MoE's expert names (no shared expert), query / key norms in attention (dense, untouched)
-    "olmoe": ArchAdapter(
-        "olmoe",
-        re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight"),
-        None,
-        _QWEN_PROJS,
-        ("num_experts",),
-    ),
+    "olmoe": _mlp_experts("olmoe", None, ("num_experts",)),
+    # GLM-4.5 MoE: Qwen's expert names, one shared expert as `shared_experts` (plural); the first
+    # `first_k_dense_replace` layers have a dense MLP (model.layers.N.mlp.gate_proj, untouched)
+    "glm4_moe": _mlp_experts("glm4_moe", "shared_experts", ("n_routed_experts",)),
     "mixtral": ArchAdapter(
         "mixtral",
         re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight"),
@@ -105,7 +101,7 @@ DENSE_LINEAR = re.compile(r"(?:model\.layers\.\d+\.self_attn\.(?:q_proj|k_proj|v
 
 # Tensors under these name fragments are expert weights; one that no adapter pattern matches (e.g. the
 # fused 3-D `experts.gate_up_proj` of some exporters) must not be silently copied as a dense tensor.
-EXPERT_NAME_HINTS: tuple[str, ...] = (".experts.", ".shared_expert.")
+EXPERT_NAME_HINTS: tuple[str, ...] = (".experts.", ".shared_expert.", ".shared_experts.")
 
 
 def adapter_for(config: dict) -> ArchAdapter:

@@ -11,6 +11,7 @@ pager move expert blocks only, so these bytes never change while serving.
 from __future__ import annotations
 
 import logging
+import re
 import zlib
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
@@ -30,7 +31,7 @@ FUSED_LINEARS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
-_SHARED_EXPERT_HINT = ".shared_expert."
+_SHARED_EXPERT_HINT = re.compile(r"\.shared_experts?\.")  # qwen2_moe: shared_expert, glm4_moe: shared_experts
 
 
 def ap_names_for(prefix: str) -> tuple[str, ...]:
@@ -44,7 +45,7 @@ LM_HEAD = "lm_head"
 
 def is_dense_ap_name(name: str) -> bool:
     """The names a dummy load serves from AP (what `convert --dense-linears` quantizes, plus shared experts)."""
-    return bool(DENSE_LINEAR.fullmatch(f"{name}.weight")) or _SHARED_EXPERT_HINT in f".{name}"
+    return bool(DENSE_LINEAR.fullmatch(f"{name}.weight")) or bool(_SHARED_EXPERT_HINT.search(f".{name}"))
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,7 @@ def _check_bits(cfg: PagedWeightConfig, lo: int, hi: int, what: str) -> None:
 
 
 # Dense linears SGLang splits by input columns over TP ranks (RowParallelLinear).
-_ROW_PARALLEL_SUFFIXES = (".self_attn.o_proj", ".shared_expert.down_proj")
+_ROW_PARALLEL_SUFFIXES = (".self_attn.o_proj", ".shared_expert.down_proj", ".shared_experts.down_proj")
 
 
 def _check_row_parallel_shards(ckpt: Any, tp: int) -> None:

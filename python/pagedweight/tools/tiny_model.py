@@ -19,7 +19,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-TINY_ARCHS: tuple[str, ...] = ("qwen2_moe", "mixtral", "qwen3_moe", "olmoe")
+TINY_ARCHS: tuple[str, ...] = ("qwen2_moe", "mixtral", "qwen3_moe", "olmoe", "glm4_moe")
 
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
@@ -69,7 +69,7 @@ class TinyMoESizes:
     num_experts: int = 8
     top_k: int = 2
     moe_intermediate_size: int = 64
-    shared_expert_intermediate_size: int = 128  # qwen2_moe only
+    shared_expert_intermediate_size: int = 128  # qwen2_moe's shared expert; glm4_moe's dense first layer
     vocab_size: int = 512
     max_position_embeddings: int = 4096
 
@@ -135,6 +135,21 @@ def _hf_config(arch: str, sizes: TinyMoESizes, dtype: str):
             num_experts=sizes.num_experts,
             intermediate_size=sizes.moe_intermediate_size,
             norm_topk_prob=False,
+        )
+    elif arch == "glm4_moe":
+        # GLM-4.5 MoE: sigmoid routing with a score-correction bias, one shared expert, the first layer dense
+        config = transformers.Glm4MoeConfig(
+            **common,
+            n_routed_experts=sizes.num_experts,
+            n_shared_experts=1,
+            moe_intermediate_size=sizes.moe_intermediate_size,
+            intermediate_size=sizes.shared_expert_intermediate_size,
+            head_dim=sizes.hidden_size // sizes.num_heads,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+            partial_rotary_factor=0.5,
         )
     elif arch == "mixtral":
         config = transformers.MixtralConfig(
@@ -262,6 +277,7 @@ def make_tiny_moe(
         "qwen3_moe": transformers.Qwen3MoeForCausalLM,
         "mixtral": transformers.MixtralForCausalLM,
         "olmoe": transformers.OlmoeForCausalLM,
+        "glm4_moe": transformers.Glm4MoeForCausalLM,
     }[arch]
     # Seed the global RNG only inside a fork so the caller's RNG state is left alone.
     with torch.random.fork_rng(devices=[]):
