@@ -34,7 +34,15 @@ def _single_thread():
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("src")
-    return {arch: make_tiny_moe(root / arch, arch, seed=1, sizes=SIZES) for arch in ("qwen2_moe", "mixtral")}
+    archs = ("qwen2_moe", "mixtral", "glm4_moe", "deepseek_v2")
+    return {arch: make_tiny_moe(root / arch, arch, seed=1, sizes=SIZES) for arch in archs}
+
+
+# (MoE layers, has a shared expert) of each tiny model: GLM-4.5 and DeepSeek-V2 start with one dense layer
+LAYOUT = {"qwen2_moe": ((0, 1), True), "mixtral": ((0, 1), False), "glm4_moe": ((1,), True),
+          "deepseek_v2": ((1,), True)}
+KINDS = {"qwen2_moe": ("bcq", "ubcq", "kmeans"), "mixtral": ("bcq", "ubcq", "kmeans"), "glm4_moe": ("ubcq",),
+         "deepseek_v2": ("ubcq",)}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +51,7 @@ def converted(models, tmp_path_factory) -> dict[tuple[str, str], Path]:
     return {
         (arch, kind): convert_checkpoint(models[arch], root / f"{arch}-{kind}", table_kind=kind, progress=False)
         for arch in models
-        for kind in ("bcq", "ubcq", "kmeans")
+        for kind in KINDS[arch]
     }
 
 
@@ -55,16 +63,16 @@ def _tree_digest(directory: Path) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
-@pytest.mark.parametrize("kind", ["bcq", "ubcq", "kmeans"])
+@pytest.mark.parametrize("arch,kind", [(a, k) for a in LAYOUT for k in KINDS[a]])
 def test_round_trip(models, converted, arch, kind):
     src_dir, out = models[arch], converted[(arch, kind)]
     source = load_file(str(src_dir / "model.safetensors"))
     adapter = ADAPTERS[arch]
     expert_names = {n: adapter.classify(n) for n in source if adapter.classify(n) is not None}
-    expected_keys = {BlockKey(l, e, p) for l in range(2) for e in range(4) for p in PROJS}
-    if arch == "qwen2_moe":
-        expected_keys |= {BlockKey(l, SHARED, p) for l in range(2) for p in PROJS}
+    moe_layers, shared = LAYOUT[arch]
+    expected_keys = {BlockKey(l, e, p) for l in moe_layers for e in range(4) for p in PROJS}
+    if shared:
+        expected_keys |= {BlockKey(l, SHARED, p) for l in moe_layers for p in PROJS}
     assert set(expert_names.values()) == expected_keys
 
     ckpt = APCheckpoint.open(out)

@@ -45,7 +45,7 @@ class QuantizedBlocks:
         return self.blocks[name].dequantize(bits)
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "glm4_moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2"])
 def calibrated(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -71,8 +71,9 @@ def _independent_routing(model, tok, text):
         def pre_hook(mod, args, layer=ref.layer):
             h = args[0].reshape(-1, args[0].shape[-1]).detach().float()
             with torch.no_grad():
-                if hasattr(mod, "route_tokens_to_experts"):  # glm4_moe: sigmoid scores, bias-corrected top-k
-                    ids, weights = mod.route_tokens_to_experts(mod.gate(h))
+                if hasattr(mod, "route_tokens_to_experts"):  # glm4_moe, deepseek_v2: the gate gives logits only
+                    ids, weights = mod.route_tokens_to_experts(mod.gate(h[None]))  # [1, T, H] in
+                    ids, weights = ids.reshape(h.shape[0], -1), weights.reshape(h.shape[0], -1)
                 else:
                     _, weights, ids = mod.gate(h)
             out.setdefault(layer, []).append([h, ids, weights.float()])

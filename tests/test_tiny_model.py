@@ -28,6 +28,7 @@ EXPERT_PATTERNS = {
     "mixtral": r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight",
     "olmoe": r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight",
     "glm4_moe": r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight",
+    "deepseek_v2": r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight",
 }
 
 
@@ -51,7 +52,7 @@ def test_expert_tensors_use_per_expert_hf_names(tiny):
         if m:
             experts[(int(m[1]), int(m[2]), m[3])] = tensor
     projs = ("w1", "w2", "w3") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    first_moe = 1 if arch == "glm4_moe" else 0  # GLM-4.5's first_k_dense_replace = 1: layer 0 has a dense MLP
+    first_moe = 1 if arch in ("glm4_moe", "deepseek_v2") else 0  # first_k_dense_replace = 1: layer 0 is dense
     moe_layers = range(first_moe, SIZES.num_layers)
     assert set(experts) == {(l, e, p) for l in moe_layers for e in range(SIZES.num_experts) for p in projs}
     down = "w2" if arch == "mixtral" else "down_proj"
@@ -64,10 +65,11 @@ def test_expert_tensors_use_per_expert_hf_names(tiny):
             SIZES.hidden_size,
             SIZES.shared_expert_intermediate_size,
         )
-    if arch == "glm4_moe":
+    if arch in ("glm4_moe", "deepseek_v2"):
         assert state["model.layers.0.mlp.down_proj.weight"].shape == (SIZES.hidden_size, SIZES.shared_expert_intermediate_size)
+        n_shared = 2 if arch == "deepseek_v2" else 1  # the shared experts are one MLP of n_shared x the width
         assert state["model.layers.1.mlp.shared_experts.down_proj.weight"].shape == (
-            SIZES.hidden_size, SIZES.moe_intermediate_size)
+            SIZES.hidden_size, n_shared * SIZES.moe_intermediate_size)
 
 
 def test_transformers_reloads_model_and_tokenizer(tiny):

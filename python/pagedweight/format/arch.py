@@ -85,6 +85,9 @@ ADAPTERS: dict[str, ArchAdapter] = {
     # GLM-4.5 MoE: Qwen's expert names, one shared expert as `shared_experts` (plural); the first
     # `first_k_dense_replace` layers have a dense MLP (model.layers.N.mlp.gate_proj, untouched)
     "glm4_moe": _mlp_experts("glm4_moe", "shared_experts", ("n_routed_experts",)),
+    # DeepSeek-V2: the same names (shared experts fused into one `shared_experts` MLP); attention is MLA, whose
+    # latent projections stay dense and untouched
+    "deepseek_v2": _mlp_experts("deepseek_v2", "shared_experts", ("n_routed_experts",)),
     "mixtral": ArchAdapter(
         "mixtral",
         re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight"),

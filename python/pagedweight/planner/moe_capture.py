@@ -2,7 +2,7 @@
 
 Transformers 5 stores a layer's experts fused in one module (`...mlp.experts` / `...block_sparse_moe.experts`)
 with 3-D parameters `gate_up_proj` [E, 2I, H] (gate rows first, then up) and `down_proj` [E, H, I], called as
-`experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])` (qwen2_moe, qwen3_moe, mixtral, olmoe, glm4_moe).
+`experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])` (qwen2_moe, qwen3_moe, mixtral, olmoe, glm4_moe, deepseek_v2).
 A forward pre-hook on that module sees exactly what the calibration needs: the layer input and the router's
 choice, per token, after any normalisation of the top-k weights.
 """
@@ -56,7 +56,7 @@ def find_moe_layers(model: nn.Module) -> list[MoELayerRef]:
         if not (isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3 and down.dim() == 3):
             raise ValueError(
                 f"{name} ({type(module).__name__}) does not hold fused 3-D gate_up_proj/down_proj parameters; "
-                "calibration supports the transformers 5 layout of qwen2_moe, qwen3_moe, mixtral, olmoe and glm4_moe"
+                "calibration supports the transformers 5 layout of qwen2_moe, qwen3_moe, mixtral, olmoe, glm4_moe and deepseek_v2"
             )
         if getattr(module, "is_transposed", False) or getattr(module, "has_gate", True) is False:
             raise ValueError(f"{name}: transposed or gate-less expert layouts are not supported by calibration")

@@ -19,7 +19,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-TINY_ARCHS: tuple[str, ...] = ("qwen2_moe", "mixtral", "qwen3_moe", "olmoe", "glm4_moe")
+TINY_ARCHS: tuple[str, ...] = ("qwen2_moe", "mixtral", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v2")
 
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
@@ -151,6 +151,32 @@ def _hf_config(arch: str, sizes: TinyMoESizes, dtype: str):
             norm_topk_prob=True,
             partial_rotary_factor=0.5,
         )
+    elif arch == "deepseek_v2":
+        # DeepSeek-V2: multi-head latent attention (compressed KV), two shared experts, the first layer dense
+        head = sizes.hidden_size // sizes.num_heads
+        config = transformers.DeepseekV2Config(
+            **{**common, "num_key_value_heads": sizes.num_heads},
+            n_routed_experts=sizes.num_experts,
+            n_shared_experts=2,
+            moe_intermediate_size=sizes.moe_intermediate_size,
+            intermediate_size=sizes.shared_expert_intermediate_size,
+            first_k_dense_replace=1,
+            kv_lora_rank=2 * head,
+            q_lora_rank=None,
+            qk_nope_head_dim=head,
+            qk_rope_head_dim=head // 2,
+            v_head_dim=head,
+            topk_method="greedy",
+            # YaRN as in the released checkpoints (SGLang's CPU rotary embedding takes only deepseek_yarn)
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+                             "original_max_position_embeddings": sizes.max_position_embeddings // 2,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=False,
+        )
+        config.moe_layer_freq = 1  # keys of the released config.json that SGLang's deepseek_v2.py reads
+        config.scoring_func = "softmax"
     elif arch == "mixtral":
         config = transformers.MixtralConfig(
             **common,
@@ -278,6 +304,7 @@ def make_tiny_moe(
         "mixtral": transformers.MixtralForCausalLM,
         "olmoe": transformers.OlmoeForCausalLM,
         "glm4_moe": transformers.Glm4MoeForCausalLM,
+        "deepseek_v2": transformers.DeepseekV2ForCausalLM,
     }[arch]
     # Seed the global RNG only inside a fork so the caller's RNG state is left alone.
     with torch.random.fork_rng(devices=[]):
