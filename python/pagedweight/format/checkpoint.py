@@ -365,6 +365,7 @@ class APCheckpointWriter:
         seed: int = 0,
         max_shard_bytes: int = 1 << 30,
         bcq_init: str = "greedy",
+        source_format: str = "plain",
     ) -> None:
         self.ap_dir = Path(ap_dir)
         if (self.ap_dir / MANIFEST_NAME).exists():
@@ -372,6 +373,7 @@ class APCheckpointWriter:
         self.ap_dir.mkdir(parents=True, exist_ok=True)
         self._params = dict(table_kind=table_kind, bits_min=bits_min, bits_max=bits_max, group_size=group_size)
         self._model, self._calibration, self._seed, self._bcq_init = model, calibration, seed, bcq_init
+        self._source_format = source_format
         self._max_shard_bytes = max_shard_bytes
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_names: list[str] = []
@@ -440,6 +442,7 @@ class APCheckpointWriter:
         manifest = Manifest(
             **self._params, model=self._model, calibration=self._calibration, seed=self._seed,
             tensors=ordered, files=files, dense=dict(sorted(dense.items())), bcq_init=self._bcq_init,
+            source_format=self._source_format,
         )
         write_manifest_atomically(self.ap_dir, manifest)
         return manifest

@@ -127,6 +127,7 @@ class Manifest:
     files: dict[str, FileEntry]
     dense: dict[str, DenseEntry] = field(default_factory=dict)
     bcq_init: str = "greedy"  # how the converter chose the sign planes (provenance; readers need not care)
+    source_format: str = "plain"  # how the source stored its weights, e.g. fp8_block128x128 (provenance)
 
     def to_json(self) -> dict[str, Any]:
         model = {
@@ -164,6 +165,8 @@ class Manifest:
         }
         if self.bcq_init != "greedy":  # absent for the default, so earlier checkpoints keep their exact bytes
             out["bcq_init"] = self.bcq_init
+        if self.source_format != "plain":  # likewise
+            out["source_format"] = self.source_format
         if self.dense:  # absent rather than empty, so expert-only checkpoints keep their exact bytes
             out["dense"] = {
                 name: {"shape": list(e.shape), "group_size": e.group_size, "file": e.file}
@@ -251,4 +254,5 @@ class Manifest:
             if name in tensors:
                 raise fail(f"tensor {name!r} is listed both as an expert block and as a dense block")
         return cls(table_kind, bits_min, bits_max, group_size, model, data.get("calibration"),
-                   int(data.get("seed", 0)), tensors, files, dense, str(data.get("bcq_init", "greedy")))
+                   int(data.get("seed", 0)), tensors, files, dense, str(data.get("bcq_init", "greedy")),
+                   str(data.get("source_format", "plain")))

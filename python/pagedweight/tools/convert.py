@@ -31,6 +31,7 @@ from pagedweight.format.layout import DEFAULT_TABLE_KIND, TABLE_KINDS, is_groupe
 from pagedweight.format.manifest import AP_SUBDIR, ModelInfo
 from pagedweight.format.quantize import effective_group_size, quantize_block
 from pagedweight.format.weight_errors import TensorError, WeightErrors
+from pagedweight.tools.source_format import SCALE_SUFFIX, SourceFormat, SourceFormatError, dequantize_fp8_block
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,8 @@ class SourceModel:
     shard_of: dict[str, Path]  # tensor name -> shard file
     experts: dict[str, BlockKey]  # HF weight name -> block key
     dense: set[str] = field(default_factory=set)  # HF weight names of the dense linears (attention projections)
+    fmt: SourceFormat = SourceFormat()
+    scales: dict[str, str] = field(default_factory=dict)  # FP8 block sources: weight name -> its scale's name
 
     @classmethod
     def scan(cls, model_dir: str | Path) -> SourceModel:
@@ -114,6 +117,7 @@ class SourceModel:
         try:
             adapter = adapter_for(config)
             adapter.num_experts(config)
+            fmt = SourceFormat.of_config(config)
         except ValueError as exc:
             raise ConversionError(f"{config_path}: {exc}") from exc
         shards = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
@@ -132,13 +136,24 @@ class SourceModel:
                 if name in shard_of:
                     raise ConversionError(f"tensor {name!r} appears in both {shard_of[name].name} and {shard.name}")
                 shard_of[name] = shard
-        source = cls(model_dir, config, adapter, shards, shard_of, {})
+        source = cls(model_dir, config, adapter, shards, shard_of, {}, fmt=fmt)
         source._classify()
         return source
 
     def _classify(self) -> None:
         unknown = []
         for name in self.shard_of:
+            if name.endswith(SCALE_SUFFIX):
+                weight = name.removesuffix(SCALE_SUFFIX)
+                if self.fmt.kind != "fp8_block":
+                    raise ConversionError(
+                        f"{self.model_dir}: {name!r} is a block scale, but config.json has no FP8 quantization_config; "
+                        "the checkpoint and its config.json do not belong together"
+                    )
+                if weight not in self.shard_of:
+                    raise ConversionError(f"{self.model_dir}: {name!r} has no weight {weight!r}; the checkpoint is incomplete")
+                self.scales[weight] = name
+                continue
             key = self.adapter.classify(name)
             if key is not None:
                 self.experts[name] = key
@@ -185,6 +200,39 @@ class SourceModel:
     def read(self, name: str) -> torch.Tensor:
         with safe_open(str(self.shard_of[name]), framework="pt") as f:
             return f.get_tensor(name)
+
+    def scale_ref(self, name: str) -> tuple[Path, str] | None:
+        """(shard, tensor name) of `name`'s FP8 block scale; None for a weight stored plainly."""
+        scale = self.scales.get(name)
+        return None if scale is None else (self.shard_of[scale], scale)
+
+    def dense_tensor(self, f, name: str) -> torch.Tensor:
+        """A tensor for the output's top-level model: as stored, or an FP8 weight dequantized to the model dtype."""
+        tensor = f.get_tensor(name)
+        ref = self.scale_ref(name)
+        if ref is None:
+            return tensor
+        return _read_weight(f, name, ref, self.fmt).to(_model_dtype(self.config))
+
+
+def _model_dtype(config: dict[str, Any]) -> torch.dtype:
+    name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    dtype = getattr(torch, str(name), None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2 else torch.bfloat16
+
+
+def _read_weight(f, name: str, scale: tuple[Path, str] | None, fmt: SourceFormat) -> torch.Tensor:
+    """A weight in float32 from the open shard `f`, dequantized with its FP8 block scale when it has one."""
+    weight = f.get_tensor(name)
+    if scale is None:
+        return weight.float()
+    shard, scale_name = scale
+    with safe_open(str(shard), framework="pt") as g:
+        scale_inv = g.get_tensor(scale_name)
+    try:
+        return dequantize_fp8_block(weight, scale_inv, fmt.block, name)
+    except SourceFormatError as exc:
+        raise ConversionError(str(exc)) from exc
 
 
 def _router_name(source: SourceModel, layer: int) -> str:
@@ -267,6 +315,12 @@ def _check_expert_shapes(source: SourceModel, opts: ConvertOptions) -> None:
     for shard in source.shards:
         with safe_open(str(shard), framework="pt") as f:
             for name in f.keys():
+                if f.get_slice(name).get_dtype().startswith("F8") and not name.endswith(SCALE_SUFFIX) \
+                        and name not in source.scales:
+                    raise ConversionError(
+                        f"{name}: float8 weights without a {name}{SCALE_SUFFIX} block scale; the converter reads FP8 "
+                        "only as block-quantized weights (quantization_config quant_method fp8 + weight_block_size)"
+                    )
                 if name not in source.experts and not (opts.dense_linears and name in source.dense):
                     continue
                 shape = f.get_slice(name).get_shape()
@@ -292,6 +346,11 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, **options: An
     opts.validate()
     model_dir, out = Path(model_dir), Path(out_dir)
     source = SourceModel.scan(model_dir)
+    if opts.calib_text is not None and source.fmt.kind != "plain":
+        raise ConversionError(
+            f"--calib-text: calibration runs the model in transformers, which needs an unquantized source, and "
+            f"{model_dir} is {source.fmt.label}; convert it without --calib-text (uniform weights)"
+        )
     _check_expert_shapes(source, opts)
 
     partial = _prepare_output(model_dir, out, opts.force)
@@ -311,11 +370,12 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, **options: An
     return out
 
 
-def _quantize_one(shard: Path, name: str, hessian: torch.Tensor | None, kind: str, bits_min: int, bits_max: int,
-                  group_size: int, bcq_init: str):
-    """Read one expert weight from its shard and quantize it: (QuantizedBlock, sum of squared weights)."""
+def _quantize_one(shard: Path, name: str, scale: tuple[Path, str] | None, fmt: SourceFormat,
+                  hessian: torch.Tensor | None, kind: str, bits_min: int, bits_max: int, group_size: int, bcq_init: str):
+    """Read one expert weight from its shard (dequantizing an FP8 block source) and quantize it:
+    (QuantizedBlock, sum of squared weights)."""
     with safe_open(str(shard), framework="pt") as f:
-        weight = f.get_tensor(name).float()
+        weight = _read_weight(f, name, scale, fmt)
     block = quantize_block(weight, kind, bits_min, bits_max, group_size, hessian, bcq_init)
     return block, float(weight.double().square().sum())
 
@@ -327,11 +387,13 @@ def _pool_worker_init() -> None:
 
 
 @contextlib.contextmanager
-def _block_quantizer(opts: ConvertOptions):
+def _block_quantizer(opts: ConvertOptions, source: SourceModel):
     """Yields quantize(shard, jobs) -> iterator of (block, energy) in job order; in-process or a process pool."""
     args = (opts.table_kind, opts.bits_min, opts.bits_max, opts.group_size, opts.bcq_init)
+    fmt = source.fmt
     if opts.workers == 1:
-        yield lambda shard, jobs: (_quantize_one(shard, name, hessian, *args) for name, _, hessian in jobs)
+        yield lambda shard, jobs: (_quantize_one(shard, name, source.scale_ref(name), fmt, hessian, *args)
+                                   for name, _, hessian in jobs)
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -340,7 +402,8 @@ def _block_quantizer(opts: ConvertOptions):
     with ProcessPoolExecutor(opts.workers, mp_context=multiprocessing.get_context("spawn"),
                              initializer=_pool_worker_init) as pool:
         def quantize(shard: Path, jobs: list):
-            futures = [pool.submit(_quantize_one, shard, name, hessian, *args) for name, _, hessian in jobs]
+            futures = [pool.submit(_quantize_one, shard, name, source.scale_ref(name), fmt, hessian, *args)
+                       for name, _, hessian in jobs]
             return (future.result() for future in futures)
 
         yield quantize
@@ -367,6 +430,7 @@ def _convert_into(source: SourceModel, partial: Path, opts: ConvertOptions) -> N
         seed=opts.seed,
         max_shard_bytes=opts.max_shard_bytes,
         bcq_init=opts.bcq_init,
+        source_format=source.fmt.label,
     )
     dense_parts: list[dict[str, torch.Tensor]] = []
     sse = {b: 0.0 for b in range(opts.bits_min, opts.bits_max + 1)}
@@ -374,24 +438,26 @@ def _convert_into(source: SourceModel, partial: Path, opts: ConvertOptions) -> N
     tensor_errors: dict[tuple[int, int, str], TensorError] = {}  # routed experts: weight_errors.json
     dense_names = source.dense if opts.dense_linears else set()
     with tqdm(total=len(source.experts) + len(dense_names), desc=f"quantize blocks ({opts.table_kind})", unit="block",
-              disable=not opts.progress) as bar, _block_quantizer(opts) as quantize:
+              disable=not opts.progress) as bar, _block_quantizer(opts, source) as quantize:
         for shard in source.shards:
             dense: dict[str, torch.Tensor] = {}
             jobs: list[tuple[str, BlockKey, torch.Tensor | None]] = []
             with safe_open(str(shard), framework="pt") as f:
                 for name in sorted(f.keys()):
+                    if name.endswith(SCALE_SUFFIX):  # FP8 block scales: the output stores dequantized weights
+                        continue
                     key = source.experts.get(name)
                     if name in dense_names:
                         # uniform column weights: calibration collects expert inputs only
                         if not opts.standalone_ap_dir:
-                            dense[name] = f.get_tensor(name)  # kept for --paged-weight-scope experts
+                            dense[name] = source.dense_tensor(f, name)  # kept for --paged-weight-scope experts
                         jobs.append((name, None, None))
                         continue
                     if key is None or key.expert == SHARED:
                         # Shared experts are quantized too, but SGLang serves them as dense layers, so their
                         # bf16 weights also stay in the servable model.
                         if not opts.standalone_ap_dir:
-                            dense[name] = f.get_tensor(name)
+                            dense[name] = source.dense_tensor(f, name)
                         if key is None:
                             continue
                     jobs.append((name, key, None if stats is None else stats.hessian.get(key)))
@@ -414,6 +480,9 @@ def _convert_into(source: SourceModel, partial: Path, opts: ConvertOptions) -> N
     if not opts.standalone_ap_dir:
         _write_dense(partial, dense_parts)
         _copy_side_files(source.model_dir, partial)
+        if source.fmt.kind != "plain":  # the output's weights are dequantized: its config says so
+            plain = {k: v for k, v in source.config.items() if k != "quantization_config"}
+            (partial / "config.json").write_text(json.dumps(plain, indent=2) + "\n")
     if energy > 0:
         logger.info(
             "relative squared error per bitwidth: %s",
