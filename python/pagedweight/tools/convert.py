@@ -208,11 +208,10 @@ class SourceModel:
 
     def dense_tensor(self, f, name: str) -> torch.Tensor:
         """A tensor for the output's top-level model: as stored, or an FP8 weight dequantized to the model dtype."""
-        tensor = f.get_tensor(name)
         ref = self.scale_ref(name)
         if ref is None:
-            return tensor
-        return _read_weight(f, name, ref, self.fmt).to(_model_dtype(self.config))
+            return f.get_tensor(name)
+        return _read_weight(f, name, ref, self.fmt).to(_model_dtype(self.config))  # reads the weight once
 
 
 def _model_dtype(config: dict[str, Any]) -> torch.dtype:
