@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from pagedweight.kernels.cuda_fold import DEFAULT_MIN_BLOCKS, ap_fused_moe_fold, default_fold_configs
+from pagedweight.kernels.cuda_fold import DEFAULT_MIN_BLOCKS, ap_fused_moe_fold, default_fold_configs, device_launch_facts
 from pagedweight.kernels.testing import random_ap_projection
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -59,6 +59,9 @@ def candidates(c13, c2, w2, names=None):
             "sc8_kb16_mb3": both(c13, c2, stage_chunks=8, ring_kb=16, min_blocks=3),
             "sc8_kb16_mb3_pf256": both(c13, c2, stage_chunks=8, ring_kb=16, min_blocks=3, l2_prefetch=256),
             "pf256_mb3_kb12": both(c13, c2, l2_prefetch=256, min_blocks=3, ring_kb=12),
+            # programmatic dependent launches (each kernel copies its first planes while the one before finishes)
+            "pdl": both(c13, c2, pdl=True),
+            "nopdl": both(c13, c2, pdl=False),
         }
         kps = c2.k_per_split or w2.K
         for f in (2, 4):  # w2 cut into f times as many K slices (more blocks when there are few pairs)
@@ -125,7 +128,6 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device=dev)
     rows = []
     for mk in args.models.split(","):
@@ -140,7 +142,7 @@ def main() -> None:
         for M in [int(v) for v in args.ms.split(",")]:
             x = torch.randn((M, H), device=dev, dtype=torch.bfloat16)
             tw, ids = make_routing(M, E, topk, md["renormalize"], M, dev)
-            c13, c2 = default_fold_configs(M, topk, w13, w2, sms)
+            c13, c2 = default_fold_configs(M, topk, w13, w2, *device_launch_facts(dev))
             if not args.no_profile:
                 kt = kernel_times(lambda: ap_fused_moe_fold(x, tw, ids, w13, w2, configs=(c13, c2)))
                 rows.append(dict(model=mk, M=M, cand="kernels", kernel_us=kt, cfg13=vars(c13), cfg2=vars(c2)))

@@ -50,6 +50,25 @@ __device__ __forceinline__ float ct2f(u16 h) {
 #endif
 }
 
+// Programmatic dependent launch (PDL, sm_90; cuda_fold.py launches with the attribute when FoldConfig.pdl): a kernel
+// may start once every block of the one before it in the stream has called pdl_launch_dependents() (or exited).
+// pdl_wait() holds each thread until that kernel has completed and its writes are visible, and since that kernel
+// completes only after its own wait, everything earlier in the stream is complete then too. Every read of a kernel
+// output and every global write come after pdl_wait(). Before it a kernel reads only what no kernel of the call writes
+// (planes, tables, the page table) and what was written before the call's first programmatic launch (the routing and
+// the alignment: prep waits for them before it lets w13 launch).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(PDL) && PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(PDL) && PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }

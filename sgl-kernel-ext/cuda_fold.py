@@ -25,7 +25,7 @@ import torch
 
 from pagedweight.kernels.align import moe_align_block_size
 from pagedweight.kernels.config import expected_experts_hit
-from pagedweight.kernels.nvrtc import compile_cubin, load_kernel
+from pagedweight.kernels.nvrtc import compile_cubin, launch, load_kernel
 from pagedweight.kernels.weights import APMoEWeights
 
 CHUNK = 128
@@ -62,6 +62,10 @@ W2_MIN_SLICE_CHUNKS = 14
 W2_ROW_TILES_MAX_PLANES = 4
 W2_ROW_TILES_AT_TWO_N_TILES = 2
 W2_MIN_BLOCKS_AT_TWO_N_TILES = 3
+# Programmatic dependent launch (sm_90): prep, w13 and w2 each start while the kernel before finishes, their first plane
+# copies in flight before they wait for its outputs. Measured 1-11% faster at one n-tile on every shape, 1-2% slower on
+# Mixtral's two n-tiles (fold_sweep.py pdl / nopdl, docs/results/kernel.md session 18), so only one n-tile takes it.
+PDL_MIN_CAPABILITY = 9
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,9 @@ class FoldConfig:
     act_prefetch: bool = True  # one n-tile: the next chunk's activations in flight (16 registers)
     l2_prefetch: int = DEFAULT_L2_PREFETCH  # L2 prefetch size (bytes) of the plane copies: 0, 128 or 256
     row_tiles: int = 1  # 16-row tiles per warp, all fed by one load of each chunk's activations: 1, 2 or 4
+    # programmatic dependent launch (sm_90): the kernel starts while the one before it finishes and copies its first
+    # planes before it waits for that kernel's outputs (w13's flag also covers the prep kernel)
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         if self.stage_chunks not in (4, 8):
@@ -146,12 +153,12 @@ def gemv_defines(mode: int, cfg: FoldConfig, bits_max: int, group_size: int, com
     return [f"-DMODE={mode}", f"-DNT={cfg.n_tiles}", f"-DPMAX={bits_max}", f"-DG={group_size}", f"-DCT={compute}",
             f"-DOT={out}", f"-DWK={cfg.wk}", f"-DMINB={cfg.min_blocks}", f"-DDIRECT={int(cfg.direct)}",
             f"-DRING={cfg.ring_kb * 1024}", f"-DSC={cfg.stage_chunks}", f"-DSPD={cfg.scale_stages}", f"-DBPF={int(cfg.act_prefetch)}",
-            f"-DL2PF={cfg.l2_prefetch}", f"-DRT={cfg.row_tiles}"]
+            f"-DL2PF={cfg.l2_prefetch}", f"-DRT={cfg.row_tiles}", f"-DPDL={int(cfg.pdl)}"]
 
 
 def prep_defines(cfg: FoldConfig, group_size: int, compute: int, x_dtype: torch.dtype) -> list[str]:
     return [f"-DMODE={MODE_W13}", f"-DNT={cfg.n_tiles}", f"-DG={group_size}", f"-DCT={compute}",
-            f"-DXT={_DTYPE_CODE[x_dtype]}", f"-DDIRECT={int(cfg.direct)}"]
+            f"-DXT={_DTYPE_CODE[x_dtype]}", f"-DDIRECT={int(cfg.direct)}", f"-DPDL={int(cfg.pdl)}"]
 
 
 def compile_to_cubin(defines: list[str], compute_capability: str, name: str = "ap_fold_gemv") -> bytes:
@@ -181,10 +188,11 @@ def _split_chunks(total_chunks: int, group_chunks: int, splits: int) -> int:
 
 
 def default_fold_configs(m: int, topk: int, w13: APMoEWeights, w2: APMoEWeights, num_sms: int,
-                         blocks_per_sm: float = 1.5) -> tuple[FoldConfig, FoldConfig]:
+                         blocks_per_sm: float = 1.5, pdl: bool = False) -> tuple[FoldConfig, FoldConfig]:
     """One pair per block for one token; else blocks of 8 (or 16) slots of one expert. w13 splits K across 2
     warps of a block (4 while the grid holds fewer than `blocks_per_sm` blocks per SM), w2 across blocks
-    until it holds that many; at two n-tiles and a parent of <= 4 planes w2's warps hold two row tiles each."""
+    until it holds that many; at two n-tiles and a parent of <= 4 planes w2's warps hold two row tiles each.
+    `pdl` (the device supports programmatic dependent launch): the calls of one n-tile launch that way."""
     pairs = m * topk
     if m == 1:
         nt, direct, units = 1, True, float(pairs)
@@ -207,11 +215,18 @@ def default_fold_configs(m: int, topk: int, w13: APMoEWeights, w2: APMoEWeights,
     while (units * row_blocks2 * splits < W2_FILL_BLOCKS_PER_SM * num_sms and splits * 2 <= chunks2 // gc2
            and chunks2 // (splits * 2) >= W2_MIN_SLICE_CHUNKS):
         splits *= 2
-    cfg13 = FoldConfig(n_tiles=nt, direct=direct, wk=wk)
-    cfg2 = FoldConfig(n_tiles=nt, direct=direct, k_per_split=_split_chunks(chunks2, gc2, splits))
+    use_pdl = pdl and nt == 1
+    cfg13 = FoldConfig(n_tiles=nt, direct=direct, wk=wk, pdl=use_pdl)
+    cfg2 = FoldConfig(n_tiles=nt, direct=direct, k_per_split=_split_chunks(chunks2, gc2, splits), pdl=use_pdl)
     if nt == 2 and w2.bits_max <= W2_ROW_TILES_MAX_PLANES:
         cfg2 = replace(cfg2, row_tiles=W2_ROW_TILES_AT_TWO_N_TILES, min_blocks=W2_MIN_BLOCKS_AT_TWO_N_TILES)
     return cfg13, cfg2
+
+
+def device_launch_facts(device: torch.device) -> tuple[int, float, bool]:
+    """(SMs, default blocks per SM, programmatic dependent launch) of a device, for default_fold_configs."""
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, 1.5, props.major >= PDL_MIN_CAPABILITY
 
 
 def _gemv(mode: int, cfg: FoldConfig, w: APMoEWeights, compute: int, out_code: int, device: torch.device,
@@ -224,7 +239,7 @@ def _gemv(mode: int, cfg: FoldConfig, w: APMoEWeights, compute: int, out_code: i
                          f"got {cfg.ring_kb}")
     kernel = _compiled(_SOURCE, "ap_fold_gemv", tuple(gemv_defines(mode, cfg, w.bits_max, w.group_size, compute, out_code)),
                        device.index or 0, cfg.shared_bytes)
-    kernel(grid=grid, block=(32 * NWARPS, 1, 1), shared_mem=cfg.shared_bytes,
+    launch(kernel, grid, (32 * NWARPS, 1, 1), shared_mem=cfg.shared_bytes, pdl=cfg.pdl,
            args=[xf, xs, w.page_table, topk_weights, sorted_ids, expert_ids, post_pad, xf_out, xs_out, acc_out, out,
                  counters, bias, num_pairs, topk, n_out, w.N, w.K, m_rows, k_per_split, row_index, int(apply_w_in),
                  w.num_experts, w.page_table.stride(0), g_out, int(xunit_per_pair), int(has_bias)])
@@ -238,7 +253,7 @@ def _prep(cfg: FoldConfig, x: torch.Tensor, group_size: int, compute: int, units
     xf = torch.empty(units * (k // CHUNK) * cfg.n_tiles * 1024, dtype=torch.int16, device=x.device)
     xs = torch.empty(units * (k // group_size) * cfg.slots, dtype=torch.float32, device=x.device)
     kernel = _compiled(_SOURCE, "ap_fold_prep", tuple(prep_defines(cfg, group_size, compute, x.dtype)), x.device.index or 0)
-    kernel(grid=(units, k // group_size, 1), block=(256, 1, 1),
+    launch(kernel, (units, k // group_size, 1), (256, 1, 1), pdl=cfg.pdl,
            args=[x, x.stride(0), topk_weights if topk_weights is not None else dummy,
                  sorted_ids if sorted_ids is not None else dummy, post_pad if post_pad is not None else dummy,
                  int(post_pad is not None), xf, xs, num_pairs, topk, k, m_rows, src_mode, zero, zero.numel()])
@@ -255,7 +270,7 @@ def ap_fused_moe_fold(
     num_pairs = m * topk
     dev = hidden.device
     if configs is None:
-        configs = default_fold_configs(m, topk, w13, w2, torch.cuda.get_device_properties(dev).multi_processor_count)
+        configs = default_fold_configs(m, topk, w13, w2, *device_launch_facts(dev))
     c13, c2 = configs
     if (c13.slots, c13.direct) != (c2.slots, c2.direct):
         raise ValueError("w13 and w2 fold configs must share the block layout (one alignment)")

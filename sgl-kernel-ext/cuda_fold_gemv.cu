@@ -82,6 +82,9 @@
 #ifndef L2PF
 #define L2PF 0  // L2 prefetch size of the plane copies: 0 (none), 128 or 256 bytes
 #endif
+#ifndef PDL
+#define PDL 0  // launched as a programmatic dependent of the kernel before it (cuda_common.cuh, pdl_wait)
+#endif
 #if L2PF != 0 && L2PF != 128 && L2PF != 256
 #error "L2PF must be 0, 128 or 256"
 #endif
@@ -198,6 +201,53 @@ __device__ __forceinline__ int pair_of(int i, int num_pairs, const int* sorted_i
     const int p = sorted_ids[blockIdx.x * SLOTS + i];
 #endif
     return p < num_pairs ? p : -1;
+}
+
+// ------------------------------------------------------------ what a block and warp work on
+// The expert of block x (-1: nothing to do).
+__device__ __forceinline__ int expert_of_block(int bx, int row_index, int num_pairs, int num_experts,
+                                               const int* expert_ids, const int* post_pad) {
+#if MODE == 2
+    return row_index;
+#elif DIRECT
+    if (bx >= num_pairs) return -1;
+    const int e = expert_ids[bx];
+    return e < num_experts ? e : -1;  // -1: a non-local expert under expert parallelism
+#else
+    return bx * SLOTS < post_pad[0] ? expert_ids[bx] : -1;
+#endif
+}
+
+// Rows of the RT tiles of warp row wr in row block by: MODE 0: gate n = 8 rt + g and up I + n; MODE 1/2: 16 rt + g and
+// 16 rt + g + 8 (clamped to valid rows: a tile past the end reads row n_out - 1 and stores nothing). Returns whether
+// the warp's first tile has rows.
+__device__ __forceinline__ bool rows_of_warp(int by, int wr, int g, int n_out, int* na, int* nb, int* ra, int* rb) {
+    const int rt0 = (by * WR + wr) * RT;  // first row tile of this warp (it holds RT consecutive tiles)
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+#if MODE == 0
+        na[r] = 8 * (rt0 + r) + g;
+        nb[r] = na[r];
+        ra[r] = min(na[r], n_out - 1);
+        rb[r] = n_out + ra[r];
+#else
+        na[r] = 16 * (rt0 + r) + g;
+        nb[r] = na[r] + 8;
+        ra[r] = min(na[r], n_out - 1);
+        rb[r] = min(nb[r], n_out - 1);
+#endif
+    }
+    return (MODE == 0 ? 8 : 16) * rt0 < n_out;
+}
+
+// K range (chunks) of warp part wk in K slice bz (MODE 1/2; MODE 0 has one slice): WK parts of whole groups
+__device__ __forceinline__ void k_range_of_warp(int bz, int wk, int chunks, int k_per_split, int& c_begin, int& c_end) {
+    const int kc = k_per_split / CHUNK;
+    const int blk_begin = MODE == 0 ? 0 : min(chunks, bz * kc);
+    const int blk_end = MODE == 0 ? chunks : min(chunks, blk_begin + kc);
+    const int per = ((blk_end - blk_begin + GC * WK - 1) / (GC * WK)) * GC;
+    c_begin = min(blk_end, blk_begin + wk * per);
+    c_end = min(blk_end, c_begin + per);
 }
 
 // ------------------------------------------------------------ one warp: RT tiles of 16 rows x chunks [c_begin, c_end)
@@ -332,6 +382,8 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     // activations: double-buffered for one n-tile (the next chunk's load is in flight), else loaded per chunk
     constexpr bool PREFETCH = NT == 1 && BPF;
     uint4 bq[PREFETCH ? 2 : 1][NT][4];
+    // the activations and their sums are the previous kernel's output: everything above reads only planes and tables
+    pdl_wait();
     if (PREFETCH) load_act(c_begin, bq[0]);
 
     for (int st = 0; st < nstages; ++st) {
@@ -453,42 +505,15 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
     const int rt0 = (blockIdx.y * WR + wr) * RT;  // first row tile of this warp (it holds RT consecutive tiles)
     const int chunks = K / CHUNK;
 
-    // the expert of this block (-1: nothing to do)
-    int expert = -1;
-#if MODE == 2
-    expert = row_index;
-#elif DIRECT
-    if ((int)blockIdx.x < num_pairs) {
-        expert = expert_ids[blockIdx.x];
-        if (expert >= num_experts) expert = -1;  // -1: a non-local expert under expert parallelism
-    }
-#else
-    if ((int)blockIdx.x * SLOTS < post_pad[0]) expert = expert_ids[blockIdx.x];
-#endif
-    // rows of tile rt: MODE 0: gate n = 8 rt + g and up I + n; MODE 1/2: 16 rt + g and 16 rt + g + 8 (clamped to valid
-    // rows: a tile past the end reads row n_out - 1 and stores nothing)
+    // the next kernel may launch as soon as every block of this one has started: its blocks take the SMs this grid's
+    // last wave leaves free and copy their first planes while this one finishes (measured faster than a trigger after
+    // the main loop). Routing and alignment were written before the prep kernel launched: read before pdl_wait.
+    pdl_launch_dependents();
+    const int expert = expert_of_block(blockIdx.x, row_index, num_pairs, num_experts, expert_ids, post_pad);
     int na[RT], nb[RT], ra[RT], rb[RT];
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-#if MODE == 0
-        na[r] = 8 * (rt0 + r) + g;
-        nb[r] = na[r];
-        ra[r] = min(na[r], n_out - 1);
-        rb[r] = n_out + ra[r];
-#else
-        na[r] = 16 * (rt0 + r) + g;
-        nb[r] = na[r] + 8;
-        ra[r] = min(na[r], n_out - 1);
-        rb[r] = min(nb[r], n_out - 1);
-#endif
-    }
-    const bool tile_ok = (MODE == 0 ? 8 : 16) * rt0 < n_out;  // the warp's first tile has rows
-    // K range: the block's slice (MODE 1/2: blockIdx.z), then WK parts of whole groups
-    const int kc = k_per_split / CHUNK;
-    const int blk_begin = MODE == 0 ? 0 : min(chunks, (int)blockIdx.z * kc);
-    const int blk_end = MODE == 0 ? chunks : min(chunks, blk_begin + kc);
-    const int per = ((blk_end - blk_begin + GC * WK - 1) / (GC * WK)) * GC;
-    const int c_begin = min(blk_end, blk_begin + wk * per), c_end = min(blk_end, c_begin + per);
+    const bool tile_ok = rows_of_warp(blockIdx.y, wr, g, n_out, na, nb, ra, rb);
+    int c_begin, c_end;
+    k_range_of_warp(blockIdx.z, wk, chunks, k_per_split, c_begin, c_end);
     const bool active = expert >= 0 && tile_ok && c_begin < c_end;
 
     // input unit of the activations
@@ -513,6 +538,9 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
         Q_SWITCH(q, CALL_ROWS)
 #undef CALL_ROWS
     }
+    // every thread waits before the epilogue's reads and writes (a no-op for the warps that waited in warp_rows, once
+    // their first plane copies were in flight)
+    pdl_wait();
 
 #if MODE == 0
     // sum the WK parts of each row tile (the rings are free once every warp is past this barrier)
@@ -646,6 +674,8 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
 extern "C" __global__ void __launch_bounds__(256) ap_fold_prep(
     const void* x, int ld, const float* topk_weights, const int* sorted_ids, const int* post_pad, int has_post_pad,
     u16* xf, float* xs, int num_pairs, int topk, int K, int m_rows, int src_mode, float* zero, int zero_len) {
+    pdl_wait();  // x and the routing are the previous kernels' outputs, and `zero` may be memory they used
+    pdl_launch_dependents();  // then w13 may launch and copy planes (it waits for this kernel before its activations)
     const long long nthreads = (long long)gridDim.x * gridDim.y * 256;
     for (long long i = ((long long)blockIdx.y * gridDim.x + blockIdx.x) * 256 + threadIdx.x; i < zero_len; i += nthreads)
         zero[i] = 0.f;

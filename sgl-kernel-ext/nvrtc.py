@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import re
 from pathlib import Path
@@ -41,3 +42,47 @@ def cached_kernel(source: Path, name: str, defines: tuple[str, ...], device_inde
     if shared_bytes > 48 * 1024:
         kernel.set_shared_memory_config(shared_bytes)
     return kernel
+
+
+# cuLaunchKernelEx's configuration (cuda.h, CUDA 12): the grid, the block, the stream and a list of attributes
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+def launch(kernel, grid: tuple[int, int, int], block: tuple[int, int, int], args: list, shared_mem: int = 0,
+           pdl: bool = False) -> None:
+    """Launch a loaded kernel on the current stream; `pdl` launches it as a programmatic dependent of the kernel before
+    it (it may start while that one finishes, and must `griddepcontrol.wait` before reading its outputs). Without
+    `pdl` this is the kernel's own launch."""
+    if not pdl:
+        kernel(grid=grid, block=block, args=args, shared_mem=shared_mem)
+        return
+    keep, params = [], []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if not a.is_cuda:
+                raise ValueError("kernel tensor arguments must be CUDA tensors")
+            v = ctypes.c_void_p(a.data_ptr())
+        elif isinstance(a, bool) or not isinstance(a, int):
+            raise TypeError(f"kernel arguments are CUDA tensors or ints, got {type(a).__name__}")
+        else:
+            v = ctypes.c_int(a)
+        keep.append(v)
+        params.append(ctypes.cast(ctypes.byref(v), ctypes.c_void_p))
+    param_array = (ctypes.c_void_p * len(params))(*params)
+    attr = _LaunchAttribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1
+    cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
+                        ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), ctypes.pointer(attr), 1)
+    libcuda = torch.cuda._utils._get_gpu_runtime_library()
+    rc = libcuda.cuLaunchKernelEx(ctypes.byref(cfg), kernel.func, param_array, None)
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUDA driver error {rc}")

@@ -45,7 +45,8 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the fold kernel is CUDA on
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_every_variant_compiles_for_sm90(mode):
     for cfg in (FoldConfig(1), FoldConfig(2), FoldConfig(1, wk=2), FoldConfig(2, wk=4),
-                FoldConfig(1, wk=2, row_tiles=2, min_blocks=3), FoldConfig(2, row_tiles=4, ring_kb=16, min_blocks=2)):
+                FoldConfig(1, wk=2, row_tiles=2, min_blocks=3), FoldConfig(2, row_tiles=4, ring_kb=16, min_blocks=2),
+                FoldConfig(1, wk=2, pdl=True), FoldConfig(2, row_tiles=2, pdl=True)):
         for bits_max, group, compute in ((8, 128, 0), (4, 256, 1)):
             cubin = compile_to_cubin(gemv_defines(mode, cfg, bits_max, group, compute, out=compute), "90")
             assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
@@ -54,7 +55,7 @@ def test_every_variant_compiles_for_sm90(mode):
             cfg = FoldConfig(1, direct=True, wk=wk)
             assert compile_to_cubin(gemv_defines(mode, cfg, 8, 128, 0, 2), "90")[:4] == b"\x7fELF"
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for cfg in (FoldConfig(1), FoldConfig(2), FoldConfig(1, direct=True)):
+        for cfg in (FoldConfig(1), FoldConfig(2), FoldConfig(1, direct=True), FoldConfig(1, pdl=True)):
             assert compile_to_cubin(prep_defines(cfg, 128, 0, dtype), "90", name="ap_fold_prep")[:4] == b"\x7fELF"
 
 
@@ -68,6 +69,17 @@ def test_plane_copies_carry_the_l2_prefetch_hint():
     assert "LDGSTS" in plain and "LTC128B" not in plain and "LTC256B" not in plain
     with pytest.raises(ValueError, match="l2_prefetch"):
         FoldConfig(l2_prefetch=64)
+
+
+def test_programmatic_launch_reaches_the_sass():
+    """pdl: the kernels wait for the one before (ACQBULK) and let the next one launch (PREEXIT); a build without it has
+    neither."""
+    default = sass_of(compile_to_cubin(gemv_defines(1, FoldConfig(1, pdl=False), 4, 128, 0), "90"))
+    pdl = sass_of(compile_to_cubin(gemv_defines(1, FoldConfig(1, pdl=True), 4, 128, 0), "90"))
+    prep = sass_of(compile_to_cubin(prep_defines(FoldConfig(1, pdl=True), 128, 0, torch.bfloat16), "90",
+                                    name="ap_fold_prep"))
+    assert "ACQBULK" not in default and "PREEXIT" not in default
+    assert "ACQBULK" in pdl and "PREEXIT" in pdl and "ACQBULK" in prep and "PREEXIT" in prep
 
 
 def test_direct_layout_is_refused_where_it_does_not_apply():
@@ -204,6 +216,11 @@ def test_configs_and_refusals():
     assert (big4_2.row_tiles, big4_2.min_blocks, big4.row_tiles) == (2, 3, 1)
     assert big4_2.k_per_split == big2.k_per_split  # the K slices are chosen at one row tile
     assert default_fold_configs(16, 2, p4_13, p4_2, num_sms=132)[1].row_tiles == 1  # one n-tile
+    # programmatic dependent launch only where the device has it, and only at one n-tile (slower at two)
+    assert not any(c.pdl for c in (one, one2, big, big2))
+    assert all(c.pdl for c in default_fold_configs(1, 4, w13, w2, num_sms=132, pdl=True))
+    assert all(c.pdl for c in default_fold_configs(8, 4, w13, w2, num_sms=132, pdl=True))
+    assert not any(c.pdl for c in default_fold_configs(64, 2, w13, w2, num_sms=132, pdl=True))
     assert "CUDA" in fold_unsupported(w13)
     bcq = random_ap_projection(1, 64, 256, [4], table_kind="bcq", bits_min=4).weights
     g32 = random_ap_projection(1, 64, 256, [4], table_kind="ubcq", group_size=32, bits_min=4).weights
@@ -316,6 +333,10 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
     layouts.append((FoldConfig(2, row_tiles=4, ring_kb=16, min_blocks=2), FoldConfig(2, row_tiles=4, ring_kb=16, min_blocks=2)))
     layouts.append((FoldConfig(1, direct=True, row_tiles=2, min_blocks=3), FoldConfig(1, direct=True, row_tiles=2, min_blocks=3)))
     layouts.append((FoldConfig(2, wk=2), FoldConfig(2, k_per_split=128, row_tiles=2, min_blocks=3)))  # the NT=2 rule
+    # launched as programmatic dependents (each kernel copies its first planes before it waits for the one before)
+    layouts.append((FoldConfig(1, wk=2, pdl=True), FoldConfig(1, k_per_split=128, pdl=True)))
+    layouts.append((FoldConfig(2, pdl=True), FoldConfig(2, row_tiles=2, min_blocks=3, pdl=True)))
+    layouts.append((FoldConfig(1, direct=True, pdl=True), FoldConfig(1, direct=True, pdl=True)))
     for cfgs in layouts:
         out = ap_fused_moe_fold(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
         assert rel_err(out, ref) < 2e-2, cfgs
@@ -355,3 +376,20 @@ def test_moe_graph_replay_follows_rewritten_page_table():
     check_graph_replay(p13, p2, m=12, topk=2, kernel="fold",
                        bit_mixes=([8] * num_experts, [3] * num_experts, [2, 5, 8, 3, 4, 6, 7, 1]))
     check_graph_replay(p13, p2, m=1, topk=2, kernel="fold", bit_mixes=([4] * num_experts, [1, 2, 3, 4, 5, 6, 7, 8]))
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 12])
+def test_moe_graph_replay_with_programmatic_launches(m):
+    """prep, w13 and w2 launched as programmatic dependents (each starts while the one before finishes) inside one CUDA
+    graph: every replay matches the reference for the page tables it finds."""
+    num_experts = 8
+    p13, p2 = _layer(num_experts, 256, 256, [8] * num_experts, [8] * num_experts)
+
+    def call(x, tw, ids, w13, w2):
+        c13, c2 = default_fold_configs(m, 2, w13, w2, torch.cuda.get_device_properties(0).multi_processor_count)
+        cfgs = (dataclasses.replace(c13, pdl=True), dataclasses.replace(c2, pdl=True))
+        return ap_fused_moe_fold(x, tw, ids, w13, w2, configs=cfgs)
+
+    check_graph_replay(p13, p2, m=m, topk=2, kernel="fold", call=call,
+                       bit_mixes=([8] * num_experts, [3] * num_experts, [2, 5, 8, 3, 4, 6, 7, 1]))

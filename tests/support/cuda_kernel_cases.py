@@ -53,18 +53,21 @@ def routing(m: int, num_experts: int, topk: int, pattern: str, seed: int = 0) ->
     return w.float().cuda(), ids.to(torch.int32).cuda()
 
 
-def check_graph_replay(p13, p2, m: int, topk: int, kernel: str, bit_mixes) -> None:
-    """Capture ap_fused_moe(kernel=...) once, then rewrite both page tables and replay: every replay must
-    follow the rows it finds (no recapture)."""
+def check_graph_replay(p13, p2, m: int, topk: int, kernel: str, bit_mixes, call=None) -> None:
+    """Capture ap_fused_moe(kernel=...) (or `call(x, tw, ids, w13, w2)`) once, then rewrite both page tables and
+    replay: every replay must follow the rows it finds (no recapture)."""
     num_experts = p13.weights.num_experts
     tw, ids = routing(m, num_experts, topk, "random")
     x = torch.randn(m, p13.weights.K, device="cuda", dtype=torch.bfloat16)
     w13, w2 = p13.weights, p2.weights
-    ap_fused_moe(x, tw, ids, w13, w2, kernel=kernel)  # compile outside the capture
+    if call is None:
+        def call(x, tw, ids, w13, w2):
+            return ap_fused_moe(x, tw, ids, w13, w2, kernel=kernel)
+    call(x, tw, ids, w13, w2)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ap_fused_moe(x, tw, ids, w13, w2, kernel=kernel)
+        out = call(x, tw, ids, w13, w2)
     for bits in bit_mixes:
         r13, r2 = p13.recommit(bits), p2.recommit(bits[::-1])
         w13.page_table.copy_(r13.page_table)
