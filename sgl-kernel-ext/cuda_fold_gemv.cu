@@ -144,7 +144,18 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
 }
 
 
-__device__ __forceinline__ uint4 ldg128(const u16* p) { return __ldg((const uint4*)p); }
+// Loads of what the previous kernel wrote (activations, group sums). Under PDL that kernel may still be running when this
+// one starts, so these are plain (coherent, L1-cached) loads: a read-only (.nc) load may be moved above pdl_wait() by
+// the compiler, which treats its memory as unchanging for the whole kernel.
+#if PDL
+__device__ __forceinline__ uint4 ld_act128(const u16* p) { return *(const uint4*)p; }
+__device__ __forceinline__ float ld_sum(const float* p) { return *p; }
+__device__ __forceinline__ float2 ld_sum2(const float* p) { return *(const float2*)p; }
+#else
+__device__ __forceinline__ uint4 ld_act128(const u16* p) { return __ldg((const uint4*)p); }
+__device__ __forceinline__ float ld_sum(const float* p) { return __ldg(p); }
+__device__ __forceinline__ float2 ld_sum2(const float* p) { return __ldg((const float2*)p); }
+#endif
 
 
 // the 8 codes of word j of rows g (va) and g + 8 (vb) times every n-tile's activations, into acc: two mma, the
@@ -355,9 +366,9 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
 #pragma unroll
             for (int v = 0; v < 4; ++v) {
 #if DIRECT
-                b[nt][v] = g == 0 ? ldg128(pc + v * 256) : make_uint4(0u, 0u, 0u, 0u);
+                b[nt][v] = g == 0 ? ld_act128(pc + v * 256) : make_uint4(0u, 0u, 0u, 0u);
 #else
-                b[nt][v] = ldg128(pc + (nt * 4 + v) * 256);
+                b[nt][v] = ld_act128(pc + (nt * 4 + v) * 256);
 #endif
             }
     };
@@ -419,9 +430,9 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
                 if ((c + 1) % GC == 0 && c < c_end) {
                     const long long grp = (c * CHUNK) / G;
 #if DIRECT
-                    S_st[i][nt] = make_float2(t == 0 ? __ldg(xs + grp) : 0.f, 0.f);
+                    S_st[i][nt] = make_float2(t == 0 ? ld_sum(xs + grp) : 0.f, 0.f);
 #else
-                    S_st[i][nt] = __ldg((const float2*)(xs + grp * SLOTS + nt * 8 + 2 * t));
+                    S_st[i][nt] = ld_sum2(xs + grp * SLOTS + nt * 8 + 2 * t);
 #endif
                 }
             }
