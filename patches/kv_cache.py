@@ -27,6 +27,7 @@ Serving:
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import logging
 import os
@@ -64,7 +65,14 @@ class _Sizing:
     fixed_reason: str = ""  # set when the pool kind is not elastic: SGLang's pool is kept as it is
 
 
-_PENDING: Optional[_Sizing] = None
+# The sizing of the alloc_memory_pool call in progress, read by the hooks nested in it (pool config, buffers): a
+# context variable set for that call and reset when it returns, so no sizing outlives its call.
+_SIZING: contextvars.ContextVar[Optional[_Sizing]] = contextvars.ContextVar("pagedweight_kv_sizing", default=None)
+
+
+def sizing_in_progress() -> Optional[_Sizing]:
+    """The sizing of the alloc_memory_pool call in progress (None outside one)."""
+    return _SIZING.get()
 
 
 def _enabled(server_args: Any) -> bool:
@@ -109,15 +117,14 @@ def _extra_tokens_env() -> Optional[int]:
 
 
 def alloc_memory_pool_around(original, model_runner, *args, **kwargs):
-    global _PENDING
     if not _enabled(model_runner.server_args) or model_runner.is_draft_worker:
         return original(model_runner, *args, **kwargs)
     sizing = _Sizing(max_extra_kv_bytes(model_runner), _extra_tokens_env(), str(model_runner.device))
-    _PENDING = sizing
+    token = _SIZING.set(sizing)
     try:
         result = original(model_runner, *args, **kwargs)
     finally:
-        _PENDING = None
+        _SIZING.reset(token)
     if sizing.fixed_reason:
         logger.info(
             "PagedWeight: fixed KV pool (%s): SGLang's %d tokens, no elastic KV; the experts serve at their start "
@@ -159,7 +166,7 @@ def _install(model_runner: Any, sizing: _Sizing) -> None:
 
 def resolve_memory_pool_config_around(original, configurator, *args, **kwargs):
     config = original(configurator, *args, **kwargs)
-    sizing = _PENDING
+    sizing = sizing_in_progress()
     if sizing is None or configurator.is_draft_worker:
         return config
     kind = ("MLA latent" if configurator.use_mla_backend else "hybrid sliding-window" if configurator.is_hybrid_swa
@@ -200,12 +207,13 @@ def _vmm_buffers(pool: Any) -> None:
     )
     pool._post_capture_owner = owner  # SGLang's _clear_buffers closes it, post_capture_backed_bytes reads it
     pool._assign_post_capture_tensors(owner.tensors)
-    _PENDING.owner = owner
+    sizing_in_progress().owner = owner
 
 
 def _vmm_wanted(pool: Any) -> bool:
     """The pool being built belongs to an elastic sizing on CUDA (not a fixed pool's MHA parts)."""
-    return _PENDING is not None and not _PENDING.fixed_reason and str(pool.device).startswith("cuda")
+    sizing = sizing_in_progress()
+    return sizing is not None and not sizing.fixed_reason and str(pool.device).startswith("cuda")
 
 
 def create_buffers_normal_around(original, pool, *args, **kwargs):
@@ -215,7 +223,8 @@ def create_buffers_normal_around(original, pool, *args, **kwargs):
 
 
 def alloc_post_capture_buffers_around(original, pool, *args, **kwargs):
-    if _PENDING is None or _PENDING.fixed_reason:
+    sizing = sizing_in_progress()
+    if sizing is None or sizing.fixed_reason:
         return original(pool, *args, **kwargs)
     _vmm_buffers(pool)
 

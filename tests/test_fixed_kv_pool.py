@@ -47,14 +47,14 @@ def test_a_pool_kind_the_cache_does_not_take_is_kept_fixed(kind, word, monkeypat
     assert not hasattr(runner, kv_cache.KV_ATTR)
     lines = [r.getMessage() for r in caplog.records if "fixed KV pool" in r.getMessage()]
     assert len(lines) == 1 and word in lines[0] and "4096 tokens" in lines[0], lines
-    assert kv_cache._PENDING is None
+    assert kv_cache.sizing_in_progress() is None  # reset when the call returned
 
 
 def test_a_plain_pool_is_still_sized_elastic(monkeypatch):
     """The MHA case keeps asking SGLang for capacity + extra tokens (what the fixed path must not change)."""
     monkeypatch.setenv(kv_cache.EXTRA_TOKENS_ENV, "512")
     sizing = kv_cache._Sizing(None, 512, "cpu")
-    monkeypatch.setattr(kv_cache, "_PENDING", sizing)
+    token = kv_cache._SIZING.set(sizing)  # inside an alloc_memory_pool call
     cfg = _configurator()
     cfg.pool_page_size = 16
     monkeypatch.setattr("sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator",
@@ -68,6 +68,7 @@ def test_a_plain_pool_is_still_sized_elastic(monkeypatch):
     out = kv_cache.resolve_memory_pool_config_around(lambda c: Config(4100), cfg)
     assert out.max_total_num_tokens == 4096 + 512 and not sizing.fixed_reason
     assert (sizing.capacity_tokens, sizing.max_tokens) == (4096, 4608)
+    kv_cache._SIZING.reset(token)
 
 
 def test_a_fixed_pool_runs_the_static_policy():

@@ -20,6 +20,7 @@ budget must see, since that is what `cuMemCreate` takes from the GPU.
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
@@ -242,14 +243,10 @@ def _chunked_owner_class():
     return ElasticKvVmmBufferOwner
 
 
-_OWNER_CLS = None
-
-
+@functools.cache
 def elastic_vmm_owner_class():
-    global _OWNER_CLS
-    if _OWNER_CLS is None:
-        _OWNER_CLS = _chunked_owner_class()
-    return _OWNER_CLS
+    """The chunk-mapped subclass of SGLang's VMM buffer owner, built once (it needs SGLang imported)."""
+    return _chunked_owner_class()
 
 
 def _cuda_event_fence(device_id: int) -> Callable[[Any], Any]:
