@@ -62,6 +62,12 @@ def candidates(c13, c2, w2, names=None):
             # programmatic dependent launches (each kernel copies its first planes while the one before finishes)
             "pdl": both(c13, c2, pdl=True),
             "nopdl": both(c13, c2, pdl=False),
+            # each warp walks 2 / 4 / 8 row tiles through one continuous ring (w13 without its warp K split)
+            "walk2": both(c13, c2, wk=1, row_tiles=1, min_blocks=DEFAULT_MIN_BLOCKS, walk_tiles=2),
+            "walk4": both(c13, c2, wk=1, row_tiles=1, min_blocks=DEFAULT_MIN_BLOCKS, walk_tiles=4),
+            "walk8": both(c13, c2, wk=1, row_tiles=1, min_blocks=DEFAULT_MIN_BLOCKS, walk_tiles=8),
+            "walk4w2": (c13, replace(c2, row_tiles=1, min_blocks=DEFAULT_MIN_BLOCKS, walk_tiles=4)),
+            "walk4w13": (replace(c13, wk=1, walk_tiles=4), c2),
         }
         kps = c2.k_per_split or w2.K
         for f in (2, 4):  # w2 cut into f times as many K slices (more blocks when there are few pairs)

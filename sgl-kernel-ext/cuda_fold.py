@@ -36,6 +36,7 @@ NWARPS = 4
 DEFAULT_RING_KB = 8
 N_TILES = (1, 2)
 ROW_TILES = (1, 2, 4)
+WALK_TILES = (1, 2, 4, 8)
 _SOURCE = Path(__file__).with_name("cuda_fold_gemv.cu")
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -84,6 +85,9 @@ class FoldConfig:
     # programmatic dependent launch (sm_90): the kernel starts while the one before it finishes and copies its first
     # planes before it waits for that kernel's outputs (w13's flag also covers the prep kernel)
     pdl: bool = False
+    # row tiles each warp walks one after another through one continuous ring (the next tile's first stages in flight
+    # while this one's last are multiplied): fewer, longer-lived blocks. MoE modes, one row tile, no warp K split
+    walk_tiles: int = 1
 
     def __post_init__(self) -> None:
         if self.stage_chunks not in (4, 8):
@@ -106,6 +110,11 @@ class FoldConfig:
             raise ValueError("direct (one pair per block) needs n_tiles 1")
         if not 1 <= self.min_blocks <= 16:
             raise ValueError(f"min_blocks must be in 1..16, got {self.min_blocks}")
+        if self.walk_tiles not in WALK_TILES:
+            raise ValueError(f"walk_tiles must be one of {WALK_TILES}, got {self.walk_tiles}")
+        if self.walk_tiles > 1 and (self.row_tiles != 1 or self.wk != 1):
+            raise ValueError(f"walk_tiles={self.walk_tiles} needs row_tiles=1 and wk=1 (one tile per warp at a time, "
+                             f"no K split across warps), got row_tiles={self.row_tiles}, wk={self.wk}")
 
     @property
     def slots(self) -> int:
@@ -153,7 +162,8 @@ def gemv_defines(mode: int, cfg: FoldConfig, bits_max: int, group_size: int, com
     return [f"-DMODE={mode}", f"-DNT={cfg.n_tiles}", f"-DPMAX={bits_max}", f"-DG={group_size}", f"-DCT={compute}",
             f"-DOT={out}", f"-DWK={cfg.wk}", f"-DMINB={cfg.min_blocks}", f"-DDIRECT={int(cfg.direct)}",
             f"-DRING={cfg.ring_kb * 1024}", f"-DSC={cfg.stage_chunks}", f"-DSPD={cfg.scale_stages}", f"-DBPF={int(cfg.act_prefetch)}",
-            f"-DL2PF={cfg.l2_prefetch}", f"-DRT={cfg.row_tiles}", f"-DPDL={int(cfg.pdl)}"]
+            f"-DL2PF={cfg.l2_prefetch}", f"-DRT={cfg.row_tiles}", f"-DPDL={int(cfg.pdl)}",
+            f"-DWT={cfg.walk_tiles}"]
 
 
 def prep_defines(cfg: FoldConfig, group_size: int, compute: int, x_dtype: torch.dtype) -> list[str]:
@@ -303,12 +313,13 @@ def ap_fused_moe_fold(
     common = dict(topk_weights=tw, sorted_ids=sorted_ids if sorted_ids is not None else dummy,
                   expert_ids=expert_ids, post_pad=post_pad if post_pad is not None else dummy,
                   num_pairs=num_pairs, topk=topk, m_rows=m, row_index=0, apply_w_in=apply_router_weight_on_input)
-    _gemv(MODE_W13, c13, w13, compute, 0, dev, (units, -(-inter // (c13.rows_per_block // 2)), 1),
+    row_blocks13 = -(-inter // (c13.rows_per_block // 2))
+    _gemv(MODE_W13, c13, w13, compute, 0, dev, (units, -(-row_blocks13 // c13.walk_tiles), 1),
           xf=xf13, xs=xs13, xf_out=xf2, xs_out=xs2, acc_out=dummy, out=dummy, counters=dummy, bias=dummy,
           n_out=inter, k_per_split=w13.K, g_out=w2.group_size, xunit_per_pair=apply_router_weight_on_input,
           **common)
     kps = c2.k_per_split or inter
-    _gemv(MODE_W2, c2, w2, compute, _DTYPE_CODE[hidden.dtype], dev, (units, row_blocks2, -(-inter // kps)),
+    _gemv(MODE_W2, c2, w2, compute, _DTYPE_CODE[hidden.dtype], dev, (units, -(-row_blocks2 // c2.walk_tiles), -(-inter // kps)),
           xf=xf2, xs=xs2, xf_out=dummy, xs_out=dummy, acc_out=acc, out=out, counters=counters, bias=dummy,
           n_out=H, k_per_split=kps, g_out=w2.group_size, xunit_per_pair=True, **common)
     return out
@@ -334,6 +345,8 @@ def ap_linear_fold(x: torch.Tensor, w: APMoEWeights, row: int, bias: torch.Tenso
     cfg = config or default_linear_fold_config(m, w, torch.cuda.get_device_properties(dev).multi_processor_count)
     if cfg.direct:
         raise ValueError("a dense linear has no routing: direct (one pair per block) is for the MoE modes")
+    if cfg.walk_tiles != 1:
+        raise ValueError(f"walk_tiles={cfg.walk_tiles} is for the MoE modes; a dense linear takes walk_tiles=1")
     compute = compute_code(x.dtype)
     units = -(-m // cfg.slots)
     row_blocks = -(-w.N // cfg.rows_per_block)

@@ -82,6 +82,9 @@
 #ifndef L2PF
 #define L2PF 0  // L2 prefetch size of the plane copies: 0 (none), 128 or 256 bytes
 #endif
+#ifndef WT
+#define WT 1  // row tiles each warp walks one after another with one continuous ring (MoE modes, RT 1, WK 1)
+#endif
 #ifndef PDL
 #define PDL 0  // launched as a programmatic dependent of the kernel before it (cuda_common.cuh, pdl_wait)
 #endif
@@ -103,6 +106,12 @@
 #if RT != 1 && RT != 2 && RT != 4
 #error "RT must be 1, 2 or 4"
 #endif
+#if WT != 1 && WT != 2 && WT != 4 && WT != 8
+#error "WT must be 1, 2, 4 or 8"
+#endif
+#if WT > 1 && (RT != 1 || WK != 1 || MODE == 2)
+#error "walking row tiles (WT > 1) needs RT 1, WK 1 and an MoE mode"
+#endif
 
 #define NWARPS 4
 #define WR (NWARPS / WK)  // row tiles per block
@@ -110,6 +119,7 @@
 #define CHUNK 128
 #define GC (G / CHUNK)                      // chunks per group
 #define UNIT_CHUNK_ELEMS (NT * 4 * 32 * 8)  // 16-bit activation values of one unit and chunk
+#define WALK_STEP ((MODE == 0 ? 8 : 16) * WR)  // rows from one walked tile of a warp to its next (RT 1)
 
 #include "cuda_common.cuh"
 
@@ -214,6 +224,13 @@ __device__ __forceinline__ int pair_of(int i, int num_pairs, const int* sorted_i
     return p < num_pairs ? p : -1;
 }
 
+__device__ __forceinline__ void zero_tiles(float (*a)[NT][4]) {
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) a[r][nt][0] = a[r][nt][1] = a[r][nt][2] = a[r][nt][3] = 0.f;
+}
+
 // ------------------------------------------------------------ what a block and warp work on
 // The expert of block x (-1: nothing to do).
 __device__ __forceinline__ int expert_of_block(int bx, int row_index, int num_pairs, int num_experts,
@@ -264,10 +281,12 @@ __device__ __forceinline__ void k_range_of_warp(int bz, int wk, int chunks, int 
 // ------------------------------------------------------------ one warp: RT tiles of 16 rows x chunks [c_begin, c_end)
 // Tile r holds rows ra[r] (lane row g) and rb[r] (g + 8); every tile multiplies the same activation fragments, so a
 // warp of RT tiles loads each chunk's activations once for 16 RT rows.
-template <int Q>
+// WT > 1: the warp walks nw tiles (rows na0 + w WALK_STEP, w < nw) through one continuous ring, so the next tile's
+// first stages are in flight while this tile's last ones are multiplied; done(w, y) takes each finished tile's y.
+template <int Q, class Done>
 __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, const float* xs, int n_table, int K,
                                           unsigned char* ring, const int* ra, const int* rb, int c_begin, int c_end,
-                                          float (*y)[NT][4]) {
+                                          float (*y)[NT][4], int nw, int na0, int nb0, int n_out, Done& done) {
     // chunks per stage: SC, halved where two stages of RT tiles of Q planes would not fit the ring (5-8 bits, or
     // more than one tile, in the 8 KB ring)
     constexpr int SCQ = (SC == 4 && RING < 2 * Q * 1024 * RT) ? 2 : SC;
@@ -317,25 +336,45 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     const u16* xl = xf + lane * 8;
 
     const int nstages = (c_end - c_begin + SCQ - 1) / SCQ;
-    auto issue = [&](int st) {
+    const int total = WT == 1 ? nstages : nw * nstages;  // stages of every walked tile, in one sequence
+    // rows (lane rows g and g + 8) of walked tile w
+    auto walk_rows = [&](int w, int& a, int& b) {
+        a = min(na0 + w * WALK_STEP, n_out - 1);
+#if MODE == 0
+        b = n_out + a;
+#else
+        b = min(nb0 + w * WALK_STEP, n_out - 1);
+#endif
+    };
+    // stage si of the sequence: ring slot si % D, its tile w = si / nstages and the tile's stage si - w nstages
+    auto issue = [&](int si) {
+        const int w = WT == 1 ? 0 : si / nstages;
+        const int st = si - w * nstages;
         const int c = c_begin + st * SCQ + t;
-        if (st < nstages && t < SCQ && c < c_end) {
+        if (si < total && t < SCQ && c < c_end) {
             const long long so = (long long)st * SCQ * 16;
+            long long oa = 0, ob = db[0];  // walked tile w: its rows' offsets from ra[0]
+            if constexpr (WT > 1) {
+                int a, b;
+                walk_rows(w, a, b);
+                oa = (long long)(a - ra[0]) * row_bytes;
+                ob = (long long)(b - ra[0]) * row_bytes;
+            }
 #pragma unroll
             for (int r = 0; r < RT; ++r) {
-                const u32 base = ring_base + (u32)((st % D) * STAGE_BYTES + r * TILE_BYTES);
+                const u32 base = ring_base + (u32)((si % D) * STAGE_BYTES + r * TILE_BYTES);
 #pragma unroll
                 for (int p = 0; p < Q; ++p) {
-                    const unsigned char* s = r == 0 ? src[p] + so : src[p] + so + da[r];
+                    const unsigned char* s = r == 0 ? src[p] + so + oa : src[p] + so + da[r];
                     cp_async16(base + p * PLANE_BYTES + dst_a, s);
-                    cp_async16(base + p * PLANE_BYTES + dst_b, src[p] + so + db[r]);
+                    cp_async16(base + p * PLANE_BYTES + dst_b, src[p] + so + (r == 0 ? ob : db[r]));
                 }
                 if (SCQ == 8 && c + 4 < c_end) {
 #pragma unroll
                     for (int p = 0; p < Q; ++p) {
-                        const unsigned char* s = r == 0 ? src[p] + so + 64 : src[p] + so + 64 + da[r];
+                        const unsigned char* s = r == 0 ? src[p] + so + 64 + oa : src[p] + so + 64 + da[r];
                         cp_async16(base + p * PLANE_BYTES + dst_a4, s);
-                        cp_async16(base + p * PLANE_BYTES + dst_b4, src[p] + so + 64 + db[r]);
+                        cp_async16(base + p * PLANE_BYTES + dst_b4, src[p] + so + 64 + (r == 0 ? ob : db[r]));
                     }
                 }
             }
@@ -343,17 +382,27 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
         cp_async_commit();
     };
     // (scale, offset) of each tile's rows ra, rb for the group of stage position t + 4 h
-    auto load_scales = [&](int st, int h, u16 (*sc)[4]) {
+    auto load_scales = [&](int si, int h, u16 (*sc)[4]) {
+        const int w = WT == 1 ? 0 : si / nstages;
+        const int st = si - w * nstages;
         const int c = c_begin + st * SCQ + t + 4 * h;
-        const bool ok = st < nstages && t < SCQ && c < c_end;
+        const bool ok = si < total && t < SCQ && c < c_end;
         const int grp = (c * CHUNK) / G;
 #pragma unroll
         for (int r = 0; r < RT; ++r) {
+            const u16* ta = tab_a[r];
+            const u16* tb = tab_b[r];
+            if constexpr (WT > 1) {
+                int a, b;
+                walk_rows(w, a, b);
+                ta = table + (long long)a * ngroups;
+                tb = table + (long long)b * ngroups;
+            }
             if (ok) {
-                sc[r][0] = __ldg(tab_a[r] + grp);
-                sc[r][1] = __ldg(tab_a[r] + toff + grp);
-                sc[r][2] = __ldg(tab_b[r] + grp);
-                sc[r][3] = __ldg(tab_b[r] + toff + grp);
+                sc[r][0] = __ldg(ta + grp);
+                sc[r][1] = __ldg(ta + toff + grp);
+                sc[r][2] = __ldg(tb + grp);
+                sc[r][3] = __ldg(tb + toff + grp);
             } else {
                 sc[r][0] = sc[r][1] = sc[r][2] = sc[r][3] = 0;
             }
@@ -397,10 +446,19 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     pdl_wait();
     if (PREFETCH) load_act(c_begin, bq[0]);
 
-    for (int st = 0; st < nstages; ++st) {
-        issue(st + D - 1);  // into the slot stage st - 1 used (every lane passed the __syncwarp below)
+    for (int si = 0; si < total; ++si) {
+        issue(si + D - 1);  // into the slot stage si - 1 used (every lane passed the __syncwarp below)
         cp_async_wait<D - 1>();
         __syncwarp();
+        const int w = WT == 1 ? 0 : si / nstages;
+        const int st = si - w * nstages;
+        if constexpr (WT > 1) {
+            // a new tile: drop what the previous tile's chunks past c_end left in acc (they reach no group end there)
+            if (st == 0) {
+                zero_tiles(acc);
+                zero_tiles(acc_lo);
+            }
+        }
         Coef ca[NH][RT], cb[NH][RT];
 #pragma unroll
         for (int h = 0; h < NH; ++h)
@@ -418,7 +476,7 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
 #pragma unroll
                     for (int k = 0; k < 4; ++k) sc[d][h][r][k] = sc[d + 1][h][r][k];
 #pragma unroll
-        for (int h = 0; h < NH; ++h) load_scales(st + PD, h, sc[PD - 1][h]);
+        for (int h = 0; h < NH; ++h) load_scales(si + PD, h, sc[PD - 1][h]);
         // group sums of the stage's groups (L2), loaded before the stage's work
         float2 S_st[SCQ][NT];
 #pragma unroll
@@ -441,14 +499,15 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
         // its ring slot holds (finite codes: MAGIC | nibble) by real activations (clamped loads) into acc, and its
         // group's coefficients and sums are 0 (load_scales, S_st), so it adds exactly 0 to y. The stage is then one
         // straight-line block the compiler schedules across chunks (ldmatrix, shuffles and mma of neighbours).
-        const u32 sbase = ring_base + (u32)((st % D) * STAGE_BYTES);
+        const u32 sbase = ring_base + (u32)((si % D) * STAGE_BYTES);
 #pragma unroll
         for (int i = 0; i < SCQ; ++i) {
             const int c = c_begin + st * SCQ + i;
             if (NT == 1 || c < c_end) {  // uniform over the warp; two n-tiles keep the guard (unguarded, they spill)
                 uint4(*b)[4] = bq[PREFETCH ? (i & 1) : 0];
                 if (!PREFETCH) load_act(min(c, c_end - 1), bq[0]);
-                else load_act(min(c + 1, c_end - 1), bq[PREFETCH ? ((i + 1) & 1) : 0]);
+                else load_act(WT > 1 ? (c + 1 < c_end ? c + 1 : c_begin) : min(c + 1, c_end - 1),  // walked: the next
+                              bq[PREFETCH ? ((i + 1) & 1) : 0]);                                 // tile's first
                 const bool group_end = (c + 1) % GC == 0;
                 const float2* S = S_st[i];
 #pragma unroll
@@ -498,10 +557,103 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
             }
         }
         __syncwarp();
+        if constexpr (WT > 1) {
+            if (st == nstages - 1) {  // tile w is finished: hand its y on, start the next from 0
+                done(w, y);
+                zero_tiles(y);
+            }
+        }
     }
     cp_async_wait<0>();
 }
 
+
+#if MODE == 0
+// act = silu(gate) * up of finished row tile rt (n = 8 rt + g; slots 2t, 2t+1 of each n-tile), rounded to the compute
+// type, into w2's activations (xo: this unit's) and their group sums (xs_unit: this unit's, float32 atomics)
+__device__ __forceinline__ void w13_store_tile(const float (*yt)[4], int rt, int n_out, int g_out, u16* xo, float* xs_unit,
+                                               int num_pairs, const int* sorted_ids) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n = 8 * rt + g;
+    float* so = xs_unit + ((8 * rt) / g_out) * SLOTS;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        float part[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int slot = nt * 8 + 2 * t + h;
+            const int p = pair_of(slot, num_pairs, sorted_ids);
+            const float gte = yt[nt][h], up = yt[nt][2 + h];
+            const float act = gte / (1.f + __expf(-gte)) * up;
+            const u16 hv = f2ct(act);
+            part[h] = 0.f;
+            if (p >= 0 && n < n_out) {
+                xo[act_offset(n, slot)] = hv;
+                part[h] = ct2f(hv);
+            }
+        }
+#pragma unroll
+        for (int d = 4; d < 32; d <<= 1) {
+            part[0] += __shfl_xor_sync(0xffffffffu, part[0], d);
+            part[1] += __shfl_xor_sync(0xffffffffu, part[1], d);
+        }
+        if (g == 0) {
+            const int s0 = nt * 8 + 2 * t;
+            if (s0 < SLOTS) atomicAdd(so + s0, part[0]);
+            if (s0 + 1 < SLOTS) atomicAdd(so + s0 + 1, part[1]);
+        }
+    }
+}
+#else
+// finished row tile (rows n_a = 16 rt + g and n_b = n_a + 8): float32 atomics into [M, N] (MODE 1: times the routing
+// weight, into the pair's token row)
+__device__ __forceinline__ void w2_add_tile(const float (*yt)[4], int n_a, int n_b, int n_out, int num_pairs,
+                                            const int* sorted_ids, const float* topk_weights, int apply_w_in, int topk,
+                                            int m_rows, float* acc_out) {
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int n = c < 2 ? n_a : n_b;
+            const int slot = nt * 8 + 2 * t + (c & 1);
+            const int p = pair_of(slot, num_pairs, sorted_ids);
+            if (n >= n_out || p < 0) continue;
+#if MODE == 1
+            const float v = apply_w_in ? yt[nt][c] : yt[nt][c] * topk_weights[p];
+            atomicAdd(acc_out + (long long)(p / topk) * n_out + n, v);
+#else
+            if (p < m_rows) atomicAdd(acc_out + (long long)p * n_out + n, yt[nt][c]);
+#endif
+        }
+    (void)topk_weights; (void)apply_w_in; (void)topk; (void)m_rows;
+}
+#endif
+
+#if MODE != 0
+// the output dtype of rows [r0, r0 + nrows) of the float32 [M, N] sums, plus the bias (the last block of a row block)
+__device__ __forceinline__ void convert_rows(const float* acc_out, void* out, const void* bias, int has_bias, int m_rows,
+                                             int n_out, int r0, int nrows) {
+    for (int idx = threadIdx.x; idx < m_rows * nrows; idx += NWARPS * 32) {
+        const int m = idx / nrows, n = r0 + idx % nrows;
+        float v = __ldcg(acc_out + (long long)m * n_out + n);
+#if OT == 0
+        if (has_bias) v += __uint_as_float(((u32)((const u16*)bias)[n]) << 16);
+        u16 hv;
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(hv) : "f"(v));
+        ((u16*)out)[(long long)m * n_out + n] = hv;
+#elif OT == 1
+        if (has_bias) v += h2f(((const u16*)bias)[n]);
+        u16 hv;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(hv) : "f"(v));
+        ((u16*)out)[(long long)m * n_out + n] = hv;
+#else
+        if (has_bias) v += ((const float*)bias)[n];
+        ((float*)out)[(long long)m * n_out + n] = v;
+#endif
+    }
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
     const u16* xf, const float* xs, const long long* page_table, const float* topk_weights, const int* sorted_ids,
@@ -513,7 +665,8 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int wr = warp % WR, wk = warp / WR;
-    const int rt0 = (blockIdx.y * WR + wr) * RT;  // first row tile of this warp (it holds RT consecutive tiles)
+    const int yb0 = blockIdx.y * WT;  // first row block of this block (it walks WT of them)
+    const int rt0 = (yb0 * WR + wr) * RT;  // first row tile of this warp (it holds RT consecutive tiles)
     const int chunks = K / CHUNK;
 
     // the next kernel may launch as soon as every block of this one has started: its blocks take the SMs this grid's
@@ -522,7 +675,10 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
     pdl_launch_dependents();
     const int expert = expert_of_block(blockIdx.x, row_index, num_pairs, num_experts, expert_ids, post_pad);
     int na[RT], nb[RT], ra[RT], rb[RT];
-    const bool tile_ok = rows_of_warp(blockIdx.y, wr, g, n_out, na, nb, ra, rb);
+    const bool tile_ok = rows_of_warp(yb0, wr, g, n_out, na, nb, ra, rb);
+    int nw = 1;  // row tiles this warp walks (WT > 1): those with rows
+    if (WT > 1)
+        for (int w = 1; w < WT; ++w) nw += (MODE == 0 ? 8 : 16) * (rt0 + w * WR) < n_out;
     int c_begin, c_end;
     k_range_of_warp(blockIdx.z, wk, chunks, k_per_split, c_begin, c_end);
     const bool active = expert >= 0 && tile_ok && c_begin < c_end;
@@ -539,13 +695,27 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) y[r][nt][0] = y[r][nt][1] = y[r][nt][2] = y[r][nt][3] = 0.f;
 
+#if MODE == 0
+    u16* xo = xf_out + (long long)blockIdx.x * (n_out / CHUNK) * UNIT_CHUNK_ELEMS;  // this unit's w2 activations
+    float* xs_unit = xs_out + (long long)blockIdx.x * (n_out / g_out) * SLOTS;
+#endif
+    // a walked tile's epilogue (WT > 1), called by warp_rows as each tile finishes
+    auto done = [&](int w, float (*yy)[NT][4]) {
+#if MODE == 0
+        w13_store_tile(yy[0], rt0 + w * WR, n_out, g_out, xo, xs_unit, num_pairs, sorted_ids);
+#else
+        w2_add_tile(yy[0], na[0] + w * WALK_STEP, nb[0] + w * WALK_STEP, n_out, num_pairs, sorted_ids, topk_weights,
+                    apply_w_in, topk, m_rows, acc_out);
+#endif
+    };
     if (active) {
         const long long* prow = page_table + (long long)expert * pt_stride;
         const int q = (int)prow[0];
         const u16* xfu = xf + (long long)unit * chunks * UNIT_CHUNK_ELEMS;
         const float* xsu = xs + (long long)unit * (K / G) * SLOTS;
         unsigned char* ring = smem + warp * RING;
-#define CALL_ROWS(Q) warp_rows<(Q <= PMAX ? Q : 1)>(prow, xfu, xsu, n_table, K, ring, ra, rb, c_begin, c_end, y)
+#define CALL_ROWS(Q) \
+    warp_rows<(Q <= PMAX ? Q : 1)>(prow, xfu, xsu, n_table, K, ring, ra, rb, c_begin, c_end, y, nw, na[0], nb[0], n_out, done)
         Q_SWITCH(q, CALL_ROWS)
 #undef CALL_ROWS
     }
@@ -581,95 +751,38 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
                             y[r][nt][c] += red[(((p - 1) * WR + wr) * 32 + lane) * PER_LANE + (r * NT + nt) * 4 + c];
         }
     }
-    if (wk != 0 || expert < 0 || !tile_ok) return;
-    // act = silu(gate) * up for (n, slots 2t, 2t+1), rounded, into w2's activations and their group sums
-    const int ounit = blockIdx.x;
-    const int n_chunks_out = n_out / CHUNK;
-    u16* xo = xf_out + (long long)ounit * n_chunks_out * UNIT_CHUNK_ELEMS;
+    if (wk != 0 || expert < 0 || !tile_ok || WT > 1) return;  // (walked tiles were stored as each finished)
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
         if (8 * (rt0 + r) >= n_out) break;  // uniform: the tiles past the end
-        float* so = xs_out + ((long long)ounit * (n_out / g_out) + (8 * (rt0 + r)) / g_out) * SLOTS;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            float part[2];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int slot = nt * 8 + 2 * t + h;
-                const int p = pair_of(slot, num_pairs, sorted_ids);
-                const float gte = y[r][nt][h], up = y[r][nt][2 + h];
-                const float act = gte / (1.f + __expf(-gte)) * up;
-                const u16 hv = f2ct(act);
-                part[h] = 0.f;
-                if (p >= 0 && na[r] < n_out) {
-                    xo[act_offset(na[r], slot)] = hv;
-                    part[h] = ct2f(hv);
-                }
-            }
-#pragma unroll
-            for (int d = 4; d < 32; d <<= 1) {
-                part[0] += __shfl_xor_sync(0xffffffffu, part[0], d);
-                part[1] += __shfl_xor_sync(0xffffffffu, part[1], d);
-            }
-            if (g == 0) {
-                const int s0 = nt * 8 + 2 * t;
-                if (s0 < SLOTS) atomicAdd(so + s0, part[0]);
-                if (s0 + 1 < SLOTS) atomicAdd(so + s0 + 1, part[1]);
-            }
-        }
+        w13_store_tile(y[r], rt0 + r, n_out, g_out, xo, xs_unit, num_pairs, sorted_ids);
     }
     (void)nb;
 #else
-    // float32 atomics into [M, N], then the last block of this row block converts it
+    // float32 atomics into [M, N] (walked tiles: as each finished), then the last block of each row block converts it
     if (active) {
+        if (WT == 1)
 #pragma unroll
-        for (int r = 0; r < RT; ++r)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const int n = c < 2 ? na[r] : nb[r];
-                    const int slot = nt * 8 + 2 * t + (c & 1);
-                    const int p = pair_of(slot, num_pairs, sorted_ids);
-                    if (n >= n_out || p < 0) continue;
-#if MODE == 1
-                    const float v = apply_w_in ? y[r][nt][c] : y[r][nt][c] * topk_weights[p];
-                    atomicAdd(acc_out + (long long)(p / topk) * n_out + n, v);
-#else
-                    if (p < m_rows) atomicAdd(acc_out + (long long)p * n_out + n, y[r][nt][c]);
-#endif
-                }
+            for (int r = 0; r < RT; ++r)
+                w2_add_tile(y[r], na[r], nb[r], n_out, num_pairs, sorted_ids, topk_weights, apply_w_in, topk, m_rows,
+                            acc_out);
         __threadfence();
     }
     __shared__ int last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const int prev = atomicAdd(counters + blockIdx.y, 1);
-        last = prev == (int)(gridDim.x * gridDim.z) - 1;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const int r0 = blockIdx.y * WR * RT * 16;
-    const int nrows = min(WR * RT * 16, n_out - r0);
-    if (nrows <= 0) return;
-    for (int idx = threadIdx.x; idx < m_rows * nrows; idx += NWARPS * 32) {
-        const int m = idx / nrows, n = r0 + idx % nrows;
-        float v = __ldcg(acc_out + (long long)m * n_out + n);
-#if OT == 0
-        if (has_bias) v += __uint_as_float(((u32)((const u16*)bias)[n]) << 16);
-        u16 hv;
-        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(hv) : "f"(v));
-        ((u16*)out)[(long long)m * n_out + n] = hv;
-#elif OT == 1
-        if (has_bias) v += h2f(((const u16*)bias)[n]);
-        u16 hv;
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(hv) : "f"(v));
-        ((u16*)out)[(long long)m * n_out + n] = hv;
-#else
-        if (has_bias) v += ((const float*)bias)[n];
-        ((float*)out)[(long long)m * n_out + n] = v;
-#endif
+    for (int w = 0; w < WT; ++w) {  // uniform over the block
+        const int yb = yb0 + w;
+        const int r0 = yb * WR * RT * 16;
+        if (r0 >= n_out) break;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const int prev = atomicAdd(counters + yb, 1);
+            last = prev == (int)(gridDim.x * gridDim.z) - 1;
+        }
+        __syncthreads();
+        if (!last) continue;
+        __threadfence();
+        const int nrows = min(WR * RT * 16, n_out - r0);
+        convert_rows(acc_out, out, bias, has_bias, m_rows, n_out, r0, nrows);
     }
     (void)xf_out; (void)xs_out; (void)g_out; (void)xunit_per_pair; (void)has_bias;
 #endif

@@ -46,7 +46,12 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the fold kernel is CUDA on
 def test_every_variant_compiles_for_sm90(mode):
     for cfg in (FoldConfig(1), FoldConfig(2), FoldConfig(1, wk=2), FoldConfig(2, wk=4),
                 FoldConfig(1, wk=2, row_tiles=2, min_blocks=3), FoldConfig(2, row_tiles=4, ring_kb=16, min_blocks=2),
-                FoldConfig(1, wk=2, pdl=True), FoldConfig(2, row_tiles=2, pdl=True)):
+                FoldConfig(1, wk=2, pdl=True), FoldConfig(2, row_tiles=2, pdl=True),
+                FoldConfig(1, walk_tiles=4, pdl=True), FoldConfig(2, walk_tiles=2)):
+        if mode == 2 and cfg.walk_tiles > 1:
+            with pytest.raises(RuntimeError, match="WT > 1"):  # walked tiles are for the MoE modes
+                compile_to_cubin(gemv_defines(mode, cfg, 8, 128, 0), "90")
+            continue
         for bits_max, group, compute in ((8, 128, 0), (4, 256, 1)):
             cubin = compile_to_cubin(gemv_defines(mode, cfg, bits_max, group, compute, out=compute), "90")
             assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
@@ -80,6 +85,16 @@ def test_programmatic_launch_reaches_the_sass():
                                     name="ap_fold_prep"))
     assert "ACQBULK" not in default and "PREEXIT" not in default
     assert "ACQBULK" in pdl and "PREEXIT" in pdl and "ACQBULK" in prep and "PREEXIT" in prep
+
+
+def test_walked_tiles_are_refused_where_they_do_not_apply():
+    with pytest.raises(ValueError, match="walk_tiles must be one of"):
+        FoldConfig(walk_tiles=3)
+    with pytest.raises(ValueError, match="needs row_tiles=1 and wk=1"):
+        FoldConfig(walk_tiles=2, wk=2)
+    with pytest.raises(ValueError, match="needs row_tiles=1 and wk=1"):
+        FoldConfig(walk_tiles=4, row_tiles=2, min_blocks=3)
+    assert "-DWT=4" in gemv_defines(1, FoldConfig(walk_tiles=4), 8, 128, 0)
 
 
 def test_direct_layout_is_refused_where_it_does_not_apply():
@@ -337,6 +352,10 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
     layouts.append((FoldConfig(1, wk=2, pdl=True), FoldConfig(1, k_per_split=128, pdl=True)))
     layouts.append((FoldConfig(2, pdl=True), FoldConfig(2, row_tiles=2, min_blocks=3, pdl=True)))
     layouts.append((FoldConfig(1, direct=True, pdl=True), FoldConfig(1, direct=True, pdl=True)))
+    # each warp walks several row tiles through one ring (partial last walks: 384 / 640 rows; w2 in K slices)
+    layouts.append((FoldConfig(1, walk_tiles=2), FoldConfig(1, k_per_split=128, walk_tiles=4)))
+    layouts.append((FoldConfig(2, walk_tiles=8, pdl=True), FoldConfig(2, walk_tiles=2, pdl=True)))
+    layouts.append((FoldConfig(1, direct=True, walk_tiles=4, pdl=True), FoldConfig(1, direct=True, walk_tiles=8)))
     for cfgs in layouts:
         out = ap_fused_moe_fold(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
         assert rel_err(out, ref) < 2e-2, cfgs
