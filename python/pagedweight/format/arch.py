@@ -88,6 +88,9 @@ ADAPTERS: dict[str, ArchAdapter] = {
     # DeepSeek-V2: the same names (shared experts fused into one `shared_experts` MLP); attention is MLA, whose
     # latent projections stay dense and untouched
     "deepseek_v2": _mlp_experts("deepseek_v2", "shared_experts", ("n_routed_experts",)),
+    # DeepSeek-V3: V2's names (its router's e_score_correction_bias is dense); the multi-token-prediction layers past
+    # num_hidden_layers (num_nextn_predict_layers) are SGLang's NextN draft, not the served model: kept as they are
+    "deepseek_v3": _mlp_experts("deepseek_v3", "shared_experts", ("n_routed_experts",)),
     "mixtral": ArchAdapter(
         "mixtral",
         re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight"),
@@ -105,6 +108,20 @@ DENSE_LINEAR = re.compile(r"(?:model\.layers\.\d+\.self_attn\.(?:q_proj|k_proj|v
 # Tensors under these name fragments are expert weights; one that no adapter pattern matches (e.g. the
 # fused 3-D `experts.gate_up_proj` of some exporters) must not be silently copied as a dense tensor.
 EXPERT_NAME_HINTS: tuple[str, ...] = (".experts.", ".shared_expert.", ".shared_experts.")
+
+
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def draft_layer_of(name: str, config: dict) -> int | None:
+    """The layer of a multi-token-prediction tensor (DeepSeek-V3's `num_nextn_predict_layers` layers after the
+    last decoder layer, which SGLang's NextN draft model loads), else None."""
+    extra = config.get("num_nextn_predict_layers") or 0
+    m = _LAYER_INDEX.match(name)
+    if not extra or m is None:
+        return None
+    layer, first = int(m.group(1)), int(config.get("num_hidden_layers", 0))
+    return layer if first <= layer < first + int(extra) else None
 
 
 def adapter_for(config: dict) -> ArchAdapter:

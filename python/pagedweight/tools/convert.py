@@ -24,7 +24,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from pagedweight.format.arch import DENSE_LINEAR, EXPERT_NAME_HINTS, PROJS, SHARED, ArchAdapter, BlockKey, adapter_for, block_name
+from pagedweight.format.arch import (DENSE_LINEAR, EXPERT_NAME_HINTS, PROJS, SHARED, ArchAdapter, BlockKey, adapter_for,
+                                     block_name, draft_layer_of)
 from pagedweight.format.bcq import BCQ_INITS
 from pagedweight.format.checkpoint import APCheckpointWriter
 from pagedweight.format.layout import DEFAULT_TABLE_KIND, TABLE_KINDS, is_grouped
@@ -101,6 +102,7 @@ class SourceModel:
     dense: set[str] = field(default_factory=set)  # HF weight names of the dense linears (attention projections)
     fmt: SourceFormat = SourceFormat()
     scales: dict[str, str] = field(default_factory=dict)  # FP8 block sources: weight name -> its scale's name
+    draft_layers: set[int] = field(default_factory=set)  # multi-token-prediction layers, copied as they are
 
     @classmethod
     def scan(cls, model_dir: str | Path) -> SourceModel:
@@ -153,6 +155,10 @@ class SourceModel:
                 if weight not in self.shard_of:
                     raise ConversionError(f"{self.model_dir}: {name!r} has no weight {weight!r}; the checkpoint is incomplete")
                 self.scales[weight] = name
+                continue
+            draft = draft_layer_of(name, self.config)
+            if draft is not None:  # SGLang's NextN draft reads these from the output model; nothing is paged
+                self.draft_layers.add(draft)
                 continue
             key = self.adapter.classify(name)
             if key is not None:
@@ -409,6 +415,10 @@ def _block_quantizer(opts: ConvertOptions, source: SourceModel):
 
 
 def _convert_into(source: SourceModel, partial: Path, opts: ConvertOptions) -> None:
+    if source.draft_layers:
+        logger.info("multi-token-prediction layer(s) %s (num_nextn_predict_layers) copied as they are: SGLang's NextN "
+                    "draft reads them; the AP checkpoint holds the %d decoder layers' experts",
+                    ", ".join(map(str, sorted(source.draft_layers))), int(source.config.get("num_hidden_layers", 0)))
     stats = _calibrate(source, opts) if opts.calib_text is not None else None
     if stats is not None:
         missing = stats.uncalibrated(list(source.experts.values()))
