@@ -12,6 +12,7 @@ and K split) and page-table rows rewritten between CUDA-graph replays.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -33,7 +34,8 @@ from pagedweight.kernels.cuda_fold import (
 from pagedweight.kernels.reference import ap_fused_moe_reference, ap_linear_reference
 from pagedweight.kernels.testing import random_ap_projection
 from pagedweight.kernels.weights import PT_TABLE
-from tests.support.cuda_kernel_cases import check_graph_replay, rel_err, routing, sass_of, tol
+from tests.support.cuda_kernel_cases import (assert_cubins, check_graph_replay, compile_in_parallel, rel_err, routing,
+                                             sass_of, tol)
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the fold kernel is CUDA only")
@@ -44,6 +46,7 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the fold kernel is CUDA on
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_every_variant_compiles_for_sm90(mode):
+    jobs = []
     for cfg in (FoldConfig(1), FoldConfig(2), FoldConfig(1, wk=2), FoldConfig(2, wk=4),
                 FoldConfig(1, wk=2, row_tiles=2, min_blocks=3), FoldConfig(2, row_tiles=4, ring_kb=16, min_blocks=2),
                 FoldConfig(1, wk=2, pdl=True), FoldConfig(2, row_tiles=2, pdl=True),
@@ -53,15 +56,16 @@ def test_every_variant_compiles_for_sm90(mode):
                 compile_to_cubin(gemv_defines(mode, cfg, 8, 128, 0), "90")
             continue
         for bits_max, group, compute in ((8, 128, 0), (4, 256, 1)):
-            cubin = compile_to_cubin(gemv_defines(mode, cfg, bits_max, group, compute, out=compute), "90")
-            assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
+            jobs.append(functools.partial(compile_to_cubin, gemv_defines(mode, cfg, bits_max, group, compute, out=compute),
+                                          "90"))
     if mode != 2:
         for wk in (1, 4):
-            cfg = FoldConfig(1, direct=True, wk=wk)
-            assert compile_to_cubin(gemv_defines(mode, cfg, 8, 128, 0, 2), "90")[:4] == b"\x7fELF"
+            jobs.append(functools.partial(compile_to_cubin, gemv_defines(mode, FoldConfig(1, direct=True, wk=wk), 8, 128, 0, 2),
+                                          "90"))
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for cfg in (FoldConfig(1), FoldConfig(2), FoldConfig(1, direct=True), FoldConfig(1, pdl=True)):
-            assert compile_to_cubin(prep_defines(cfg, 128, 0, dtype), "90", name="ap_fold_prep")[:4] == b"\x7fELF"
+            jobs.append(functools.partial(compile_to_cubin, prep_defines(cfg, 128, 0, dtype), "90", name="ap_fold_prep"))
+    assert_cubins(compile_in_parallel(jobs))
 
 
 def test_plane_copies_carry_the_l2_prefetch_hint():

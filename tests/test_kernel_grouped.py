@@ -12,6 +12,8 @@ between CUDA-graph replays.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -32,7 +34,8 @@ from pagedweight.kernels.cuda_grouped import (
 )
 from pagedweight.kernels.reference import ap_fused_moe_reference
 from pagedweight.kernels.testing import random_ap_projection
-from tests.support.cuda_kernel_cases import check_graph_replay, rel_err, routing, sass_of, tol
+from tests.support.cuda_kernel_cases import (assert_cubins, check_graph_replay, compile_in_parallel, rel_err, routing,
+                                             sass_of, tol)
 from tests.test_kernel_fold import _codes_of
 
 HAS_CUDA = torch.cuda.is_available()
@@ -48,22 +51,23 @@ WS_CONFIGS = (*WS_MAIN, GroupedConfig(2, 2, ws=True), GroupedConfig(1, 4, ws=Tru
 
 @pytest.mark.parametrize("mode", [0, 1])
 def test_every_variant_compiles_for_sm90(mode):
+    jobs = []
     for wn in (1, 2):
         for bits_max, group, compute, stages in ((8, 128, 0, 3), (4, 256, 1, 4), (3, 128, 0, 2)):
             for wgmma in (True, False):
                 cfg = GroupedConfig(wn=wn, stages=stages, wgmma=wgmma)
-                cubin = compile_to_cubin(gemm_defines(mode, cfg, bits_max, group, compute), gemm_arch(cfg, "90"))
-                assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
+                jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, bits_max, group, compute),
+                                              gemm_arch(cfg, "90")))
     for wn in (1, 2):  # the warp-specialized kernel, within one block's shared memory
         for bits_max, group, compute, stages in ((8, 128, 0, 3), (4, 256, 1, 2), (3, 128, 0, 4 - wn)):
             cfg = GroupedConfig(wn=wn, stages=stages, ws=True)
             assert cfg.shared_bytes(bits_max) <= SHARED_LIMIT
-            cubin = compile_to_cubin(gemm_defines(mode, cfg, bits_max, group, compute), gemm_arch(cfg, "90"),
-                                     name=cfg.kernel_name, source=cfg.source)
-            assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
+            jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, bits_max, group, compute),
+                                          gemm_arch(cfg, "90"), name=cfg.kernel_name, source=cfg.source))
     if mode == 0:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            assert compile_to_cubin(prep_defines(128, 0, dtype), "90", name="ap_grouped_prep")[:4] == b"\x7fELF"
+            jobs.append(functools.partial(compile_to_cubin, prep_defines(128, 0, dtype), "90", name="ap_grouped_prep"))
+    assert_cubins(compile_in_parallel(jobs))
 
 
 def _perm(k: int) -> int:

@@ -9,6 +9,8 @@ between CUDA-graph replays.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -28,7 +30,8 @@ from pagedweight.kernels.cuda_lut import (
 )
 from pagedweight.kernels.reference import ap_fused_moe_reference, ap_linear_reference
 from pagedweight.kernels.testing import random_ap_projection
-from tests.support.cuda_kernel_cases import check_graph_replay, rel_err, routing, sass_of, tol
+from tests.support.cuda_kernel_cases import (assert_cubins, check_graph_replay, compile_in_parallel, rel_err, routing,
+                                             sass_of, tol)
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the LUT kernel is CUDA only")
@@ -42,12 +45,10 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the LUT kernel is CUDA onl
 def test_every_variant_compiles_for_sm90(mode, block_m):
     dtypes = [torch.bfloat16] if mode == 1 else [torch.bfloat16, torch.float16, torch.float32]
     directs = [False, True] if block_m == 1 and mode != 2 else [False]
-    for dtype in dtypes:
-        for bits_max, group, uniform in ((8, 128, False), (4, 256, False), (8, 128, True)):
-            for direct in directs:
-                defines = kernel_defines(mode, dtype, block_m, bits_max, group, direct, uniform)
-                cubin = compile_to_cubin(defines, "90")
-                assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
+    jobs = [functools.partial(compile_to_cubin, kernel_defines(mode, dtype, block_m, bits_max, group, direct, uniform), "90")
+            for dtype in dtypes for bits_max, group, uniform in ((8, 128, False), (4, 256, False), (8, 128, True))
+            for direct in directs]
+    assert_cubins(compile_in_parallel(jobs))
 
 
 def test_direct_layout_is_refused_where_it_does_not_apply():

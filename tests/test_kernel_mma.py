@@ -10,6 +10,8 @@ non-local expert id -1, and page-table rows rewritten between CUDA-graph replays
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -30,7 +32,8 @@ from pagedweight.kernels.cuda_mma import (
 )
 from pagedweight.kernels.reference import ap_fused_moe_reference, ap_linear_reference
 from pagedweight.kernels.testing import random_ap_projection
-from tests.support.cuda_kernel_cases import check_graph_replay, rel_err, routing, sass_of, tol
+from tests.support.cuda_kernel_cases import (assert_cubins, check_graph_replay, compile_in_parallel, rel_err, routing,
+                                             sass_of, tol)
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the MMA kernel is CUDA only")
@@ -41,13 +44,14 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the MMA kernel is CUDA onl
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_every_variant_compiles_for_sm90(mode):
+    jobs = []
     for n_tiles in (1, 2, 4):
         for direct in ([False, True] if n_tiles == 1 and mode != 2 else [False]):
             for bits_max, group in ((8, 128), (4, 32)):
-                cubin = compile_to_cubin(kernel_defines(mode, n_tiles, bits_max, group, direct), "90")
-                assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
+                jobs.append(functools.partial(compile_to_cubin, kernel_defines(mode, n_tiles, bits_max, group, direct), "90"))
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        assert compile_to_cubin(prep_defines(mode, dtype), "90", name="ap_mma_prep")[:4] == b"\x7fELF"
+        jobs.append(functools.partial(compile_to_cubin, prep_defines(mode, dtype), "90", name="ap_mma_prep"))
+    assert_cubins(compile_in_parallel(jobs))
 
 
 def test_direct_layout_is_refused_where_it_does_not_apply():

@@ -1,17 +1,32 @@
-"""Shared pieces of the CUDA kernel tests (test_kernel_lut.py, test_kernel_mma.py): the error measure, the
-tolerance per activation dtype, the routings, and the CUDA-graph replay over rewritten page tables."""
+"""Shared pieces of the CUDA kernel tests (test_kernel_lut.py, test_kernel_mma.py, ...): parallel NVRTC builds, the
+error measure, the tolerance per activation dtype, the routings, and the CUDA-graph replay over rewritten page
+tables."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from pagedweight.kernels import ap_fused_moe
 from pagedweight.kernels.reference import ap_fused_moe_reference
+
+
+def compile_in_parallel(jobs: list[Callable[[], bytes]]) -> list[bytes]:
+    """The NVRTC builds `jobs` (each returns a cubin) on every core, in job order: NVRTC releases the GIL, so the CPU
+    compile checks of many kernel variants take a fraction of their serial time."""
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return list(pool.map(lambda job: job(), jobs))
+
+
+def assert_cubins(cubins: list[bytes]) -> None:
+    assert cubins and all(c[:4] == b"\x7fELF" for c in cubins), "NVRTC did not return a cubin"
 
 
 def sass_of(cubin: bytes) -> str:
