@@ -17,6 +17,7 @@ import time
 import torch
 import triton
 
+from pagedweight.bench.cuda_timing import replay_median_us, time_cuda
 from pagedweight.kernels.cuda_dequant import dequantize_chunk_cuda
 from pagedweight.kernels.testing import random_ap_projection
 from pagedweight.kernels.triton_dequant_moe import dequantize_chunk
@@ -27,13 +28,7 @@ SHAPES = {"mixtral": (8, 2 * 14336, 4096), "qwen15moe": (60, 2 * 1408, 2048)}  #
 def eager_us(fn, reps: int = 20) -> float:
     fn()
     torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return sorted(a.elapsed_time(b) for a, b in ev)[reps // 2] * 1e3
+    return time_cuda(fn, reps)["median"]
 
 
 def time_us(fn, reps: int = 20) -> float:
@@ -104,17 +99,6 @@ def main() -> None:
         json.dump(doc, f, indent=1)
     best = fastest(rows, ("model", "kind", "kernel"))
     print("copy TB/s", doc["copy_TBps"], "fill TB/s", doc["fill_TBps"], "best:", json.dumps({"/".join(k): v for k, v in best.items()}))
-
-
-def replay_median_us(graph, reps: int) -> float:
-    """Median microseconds of one replay of a captured CUDA graph (as benchmark/linear_bench.py times them)."""
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        graph.replay()
-        b.record()
-    torch.cuda.synchronize()
-    return sorted(a.elapsed_time(b) for a, b in ev)[reps // 2] * 1e3
 
 
 def fastest(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, dict]:

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -32,6 +31,7 @@ from dataclasses import replace
 
 import torch
 
+from pagedweight.bench.cuda_timing import cuda_setup, graph_time, time_cuda  # noqa: F401 (scripts import them here)
 from pagedweight.format.layout import DEFAULT_TABLE_KIND
 from pagedweight.kernels import APKernelConfig, ap_fused_moe
 from pagedweight.kernels.config import default_moe_configs, prefer_fold, prefer_lut, prefer_mma
@@ -84,44 +84,6 @@ def uniform_case(model: str, m: int, bits: int, device):
     x = torch.randn((m, H), device=device, dtype=torch.bfloat16)
     tw, ids = make_routing(m, E, topk, md["renormalize"], m, device)
     return x, tw, ids, w13.weights, w2.weights
-
-
-def cuda_setup() -> tuple[torch.device, int, torch.Tensor]:
-    """(the CUDA device, its SM count, the 256 MB buffer that time_cuda zeroes to flush L2 before each run)."""
-    dev = torch.device("cuda")
-    return dev, torch.cuda.get_device_properties(dev).multi_processor_count, torch.empty(256 * 2**20, dtype=torch.int8,
-                                                                                         device=dev)
-
-
-def time_cuda(run, reps: int, flush: torch.Tensor) -> dict:
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        flush.zero_()
-        starts[i].record()
-        run()
-        ends[i].record()
-    torch.cuda.synchronize()
-    ts = sorted(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
-    n = len(ts)
-    return dict(median=statistics.median(ts), min=ts[0], p10=ts[int(0.1 * (n - 1))], p90=ts[int(0.9 * (n - 1))], reps=n)
-
-
-def graph_time(call, reps: int, flush: torch.Tensor) -> dict:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        call()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    return time_cuda(g.replay, reps, flush)
 
 
 def nreps(us_guess: float, budget_s: float, lo: int, hi: int) -> int:

@@ -22,12 +22,10 @@ import time
 
 import torch
 
+from pagedweight.bench.cuda_timing import FLUSH_BYTES, replay_median_us
 from pagedweight.kernels import ap_linear
 from pagedweight.kernels.config import LINEAR_DEQUANT_MIN_M, LINEAR_LUT_MAX_M, default_linear_config
 from pagedweight.kernels.testing import random_ap_projection
-
-from dequant_sweep import replay_median_us  # benchmark/ is on sys.path when this runs as a script
-
 
 SHAPES = {
     "qwen15moe_qkv": (6144, 2048), "qwen15moe_o": (2048, 2048),
@@ -37,7 +35,6 @@ SHAPES = {
     "mixtral_expert_w13": (28672, 4096), "mixtral_expert_w2": (4096, 14336),
 }
 INNER = 10  # calls per graph replay
-FLUSH_BYTES = 256 << 20  # > the H200's 50 MB L2: every call reads its weight from HBM, as in a model's forward
 
 
 def _replay_us(body, reps: int) -> float:

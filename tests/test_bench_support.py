@@ -7,6 +7,7 @@ import math
 import pytest
 
 from pagedweight.bench.burst import BurstSpec, _count_bad_logprobs, percentile
+from pagedweight.bench.cuda_timing import summarize_us
 from pagedweight.bench.prometheus import parse_prometheus, retracted_requests, retractions_in_log
 from pagedweight.bench.state_sampler import summarize_state
 
@@ -133,3 +134,11 @@ def test_launch_server_pins_the_nccl_port_unless_given(tmp_path, monkeypatch):
     a, b = seen
     assert a.count("--nccl-port") == 1 and int(a[a.index("--nccl-port") + 1]) != int(a[a.index("--port") + 1])
     assert b.count("--nccl-port") == 1 and b[b.index("--nccl-port") + 1] == "12345"
+
+
+def test_summarize_us_orders_the_times():
+    got = summarize_us([9.0, 1.0, 5.0, 3.0, 7.0, 2.0, 8.0, 4.0, 6.0, 10.0, 11.0])
+    assert got == dict(median=6.0, min=1.0, p10=2.0, p90=10.0, reps=11)
+    assert summarize_us([4.0, 2.0])["median"] == 3.0
+    with pytest.raises(ValueError, match="no times"):
+        summarize_us([])
