@@ -13,6 +13,9 @@
 #   bash benchmark/gpu_session.sh decode    # fold kernel GPU tests, then SGLang's bf16 / FP8 block128 / Marlin W4A16 /
 #                                           # W8A16 MoE (sglang_moe_anchors.py, copied into .carry/bench and carried) and
 #                                           # benchmark/decode_bench.py beside them, M 1..64 (issue #18's headline keys)
+#   bash benchmark/gpu_session.sh fold      # fold kernel: the whole test_kernel_fold.py, then fold_sweep.py's named variants
+#                                           # (FOLD_CANDIDATES, default the walked tiles and PDL off) on every decode shape,
+#                                           # M 1..64 (FOLD_MODELS, KB_MS, FOLD_CASE; no devicekit)
 #   bash benchmark/gpu_session.sh grouped   # prefill: grouped-kernel GPU tests, SGLang's bf16 / FP8 block128 MoE at
 #                                           # M 256..8192 (sglang_moe_anchors.py, carried in .carry/bench) and
 #                                           # benchmark/prefill_bench.py beside them (GROUPED_PARTS="tests anchors bench",
@@ -64,6 +67,15 @@ if [ "$stage" = decode ]; then
     --reps 40 2>&1 | tail -100
   timeout 420 python3 benchmark/decode_bench.py --anchors-json "$OUT/anchors.json" --out "$OUT/decode.json" \
     --ms "${KB_MS:-1,4,16,64}" --reps 30 --time-budget-s 360 2>&1 | tail -120
+fi
+
+if [ "$stage" = fold ]; then
+  timeout "${FOLD_TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_kernel_fold.py 2>&1 | tail -15 \
+    | tee "$OUT/gpu_tests_fold.txt"
+  timeout "${FOLD_SWEEP_TIMEOUT:-280}" python3 benchmark/fold_sweep.py --out "$OUT/fold_sweep.json" \
+    --models "${FOLD_MODELS:-qwen15moe,qwen3moe,mixtral,mixtral_tp2,qwen3moe_tp2}" --ms "${KB_MS:-1,4,16,64}" \
+    --case "${FOLD_CASE:-u4}" --reps 30 --no-profile \
+    --candidates "${FOLD_CANDIDATES:-walk2,walk4,walk8,walk4w2,walk4w13,nopdl}" 2>&1 | grep -v "^W1" | tail -150
 fi
 
 if [ "$stage" = grouped ]; then
