@@ -14,6 +14,11 @@ extern "C" __global__ void __launch_bounds__(1024) ap_moe_align(
     const void* ids, int ids_64, int* sorted_ids, int* expert_ids, int* post_pad, int num_pairs, int num_experts,
     int block_size, int max_padded, int max_blocks) {
     extern __shared__ int sm[];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // A kernel launched after this one as a programmatic dependent (the fold MoE's prep) may launch now: it waits for
+    // this kernel to complete before it reads the alignment. No effect on a dependent launched the plain way.
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     int* hist = sm;                          // [NW][E]: counts, then each warp's first rank per expert
     int* seg = sm + NW * num_experts;        // [E + 1]: padded segment starts (seg[E] = total)
     int* scan = seg + num_experts + 1;       // [1024]: scan scratch

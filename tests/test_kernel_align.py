@@ -88,6 +88,11 @@ def test_cuda_align_compiles_for_sm90():
     from pagedweight.kernels.cuda_align import compile_to_cubin
 
     assert compile_to_cubin("90")[:4] == b"\x7fELF"
+    from tests.support.cuda_kernel_cases import sass_of
+
+    # it lets a programmatic dependent (the fold MoE's prep) launch early, and waits for nothing itself
+    sass = sass_of(compile_to_cubin("90"))
+    assert "PREEXIT" in sass and "ACQBULK" not in sass
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="the CUDA alignment needs a CUDA device")
