@@ -19,18 +19,20 @@ TARGET = "sglang.srt.layers.linear.LinearBase.__init__"
 # LinearBase.__init__(input_size, output_size, skip_bias_add, params_dtype, quant_config, prefix)
 _QUANT_CONFIG_POS, _PREFIX_POS = 4, 5
 
-def dense_source_for(server_args: Any, cfg: Any):
-    """The AP linears' source of this server (kept with its MoE source on its ServerArgs)."""
-    from pagedweight.serving.dense_linear import CheckpointDenseSource, DummyDenseSource
-    from pagedweight.serving.layer_sources import layer_source_for, source_key, sources_of
+_SOURCES: dict[tuple[str, str], Any] = {}  # per process: (load_format, ap_dir) -> dense source
 
-    key = source_key(server_args, cfg)
-    sources = sources_of(server_args).dense
-    if key not in sources:
-        # the MoE layers' source holds the opened checkpoint: one reader per server
-        sources[key] = DummyDenseSource() if key[0] == "dummy" else CheckpointDenseSource(
+
+def dense_source_for(server_args: Any, cfg: Any):
+    from pagedweight.serving.dense_linear import CheckpointDenseSource, DummyDenseSource
+    from pagedweight.serving.layer_sources import layer_source_for
+
+    load_format = str(getattr(server_args, "load_format", "auto"))
+    key = (load_format, cfg.resolve_ap_dir(server_args.model_path))
+    if key not in _SOURCES:
+        # the MoE layers' source holds the opened checkpoint: one reader per process
+        _SOURCES[key] = DummyDenseSource() if load_format == "dummy" else CheckpointDenseSource(
             layer_source_for(server_args, cfg).ckpt)
-    return sources[key]
+    return _SOURCES[key]
 
 
 def dense_bits(cfg: Any, source: Any) -> int:

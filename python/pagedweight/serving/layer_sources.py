@@ -1,14 +1,12 @@
 """Layer sources: build a FusedMoE layer's MoELayerStore from an AP checkpoint or from random planes.
 
-`layer_source_for(server_args, cfg)` returns one source per server and AP directory: FusedMoE layers are
-constructed one by one, and all of them must read the same opened checkpoint. The opened sources live on the
-server's ServerArgs (`sources_of`), as its PagedWeightConfig does, not in this module.
+`layer_source_for(server_args, cfg)` returns one source per process and AP directory: FusedMoE layers are
+constructed one by one, and all of them must read the same opened checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,42 +21,21 @@ logger = logging.getLogger(__name__)
 # Dummy (random) AP planes: the bit range and group size used when --load-format dummy.
 DUMMY_BITS_MIN, DUMMY_BITS_MAX, DUMMY_GROUP = 2, 8, 128
 
-SOURCES_ATTR = "_paged_weight_sources"
-
-
-@dataclass
-class ServingSources:
-    """The sources one server's model load opened, keyed by (load format, AP directory): the MoE layers' and the
-    AP linears' (--paged-weight-scope all), which read the MoE source's opened checkpoint."""
-
-    moe: dict[tuple[str, str], LayerSource] = field(default_factory=dict)
-    dense: dict[tuple[str, str], Any] = field(default_factory=dict)
-
-
-def sources_of(server_args: Any) -> ServingSources:
-    """The ServingSources kept on `server_args` (created on first use)."""
-    sources = getattr(server_args, SOURCES_ATTR, None)
-    if sources is None:
-        sources = ServingSources()
-        object.__setattr__(server_args, SOURCES_ATTR, sources)
-    return sources
-
-
-def source_key(server_args: Any, cfg: PagedWeightConfig) -> tuple[str, str]:
-    return str(getattr(server_args, "load_format", "auto")), cfg.resolve_ap_dir(server_args.model_path)
+_SOURCES: dict[tuple[str, str], LayerSource] = {}  # per process: (load_format, ap_dir) -> source
 
 
 def layer_source_for(server_args: Any, cfg: PagedWeightConfig) -> LayerSource:
-    key = source_key(server_args, cfg)
-    sources = sources_of(server_args).moe
-    if key not in sources:
-        if key[0] == "dummy":
-            sources[key] = DummyLayerSource(cfg)
+    load_format = str(getattr(server_args, "load_format", "auto"))
+    ap_dir = cfg.resolve_ap_dir(server_args.model_path)
+    key = (load_format, ap_dir)
+    if key not in _SOURCES:
+        if load_format == "dummy":
+            _SOURCES[key] = DummyLayerSource(cfg)
         else:
             from pagedweight.serving.checkpoint_source import CheckpointLayerSource
 
-            sources[key] = CheckpointLayerSource(cfg, key[1], server_args)
-    return sources[key]
+            _SOURCES[key] = CheckpointLayerSource(cfg, ap_dir, server_args)
+    return _SOURCES[key]
 
 
 def dummy_table(table_kind: str, bits: int, n: int, groups: int) -> torch.Tensor:
