@@ -149,7 +149,7 @@ def main() -> None:
                 for m in [int(v) for v in args.ms.split(",")]:
                     x = torch.randn((m, H), device=dev, dtype=torch.bfloat16)
                     tw, ids = make_routing(m, E, topk, md["renormalize"], m, dev)
-                    configs = cuda_fold.default_fold_configs(m, topk, w13, w2, *cuda_fold.device_launch_facts(dev))
+                    configs = cuda_fold.default_fold_configs(m, topk, w13, w2, sms, pdl=cuda_fold.device_launch_facts(dev)[1])
                     times = {name: [] for name in sources}
                     for _ in range(args.rounds):
                         for name, src in sources.items():

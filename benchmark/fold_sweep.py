@@ -148,7 +148,8 @@ def main() -> None:
         for M in [int(v) for v in args.ms.split(",")]:
             x = torch.randn((M, H), device=dev, dtype=torch.bfloat16)
             tw, ids = make_routing(M, E, topk, md["renormalize"], M, dev)
-            c13, c2 = default_fold_configs(M, topk, w13, w2, *device_launch_facts(dev))
+            sms, pdl = device_launch_facts(dev)
+            c13, c2 = default_fold_configs(M, topk, w13, w2, sms, pdl=pdl)
             if not args.no_profile:
                 kt = kernel_times(lambda: ap_fused_moe_fold(x, tw, ids, w13, w2, configs=(c13, c2)))
                 rows.append(dict(model=mk, M=M, cand="kernels", kernel_us=kt, cfg13=vars(c13), cfg2=vars(c2)))

@@ -233,10 +233,10 @@ def default_fold_configs(m: int, topk: int, w13: APMoEWeights, w2: APMoEWeights,
     return cfg13, cfg2
 
 
-def device_launch_facts(device: torch.device) -> tuple[int, float, bool]:
-    """(SMs, default blocks per SM, programmatic dependent launch) of a device, for default_fold_configs."""
+def device_launch_facts(device: torch.device) -> tuple[int, bool]:
+    """(SMs, whether it has programmatic dependent launch) of a device, for default_fold_configs."""
     props = torch.cuda.get_device_properties(device)
-    return props.multi_processor_count, 1.5, props.major >= PDL_MIN_CAPABILITY
+    return props.multi_processor_count, props.major >= PDL_MIN_CAPABILITY
 
 
 def _gemv(mode: int, cfg: FoldConfig, w: APMoEWeights, compute: int, out_code: int, device: torch.device,
@@ -280,7 +280,8 @@ def ap_fused_moe_fold(
     num_pairs = m * topk
     dev = hidden.device
     if configs is None:
-        configs = default_fold_configs(m, topk, w13, w2, *device_launch_facts(dev))
+        sms, pdl = device_launch_facts(dev)
+        configs = default_fold_configs(m, topk, w13, w2, sms, pdl=pdl)
     c13, c2 = configs
     if (c13.slots, c13.direct) != (c2.slots, c2.direct):
         raise ValueError("w13 and w2 fold configs must share the block layout (one alignment)")
