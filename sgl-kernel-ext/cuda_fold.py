@@ -36,7 +36,6 @@ NWARPS = 4
 DEFAULT_RING_KB = 8
 N_TILES = (1, 2)
 ROW_TILES = (1, 2, 4)
-WALK_TILES = (1, 2, 4, 8)
 _SOURCE = Path(__file__).with_name("cuda_fold_gemv.cu")
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -64,9 +63,13 @@ W2_ROW_TILES_MAX_PLANES = 4
 W2_ROW_TILES_AT_TWO_N_TILES = 2
 W2_MIN_BLOCKS_AT_TWO_N_TILES = 3
 # Programmatic dependent launch (sm_90): prep, w13 and w2 each start while the kernel before finishes, their first plane
-# copies in flight before they wait for its outputs. Measured 1-11% faster at one n-tile on every shape, 1-2% slower on
-# Mixtral's two n-tiles (fold_sweep.py pdl / nopdl, docs/results/kernel.md session 18), so only one n-tile takes it.
+# copies in flight before they wait for its outputs. Measured 1-11% faster at one n-tile on every shape; at two n-tiles
+# (Mixtral M = 64) even at 4 bits and 4-7% faster at 8 bits once the activation loads were plain ones (fold_sweep.py
+# pdl / nopdl, docs/results/kernel.md sessions 18-19), so every call takes it where the device has it.
 PDL_MIN_CAPABILITY = 9
+# shared_act: stages of the block's activation ring (the plane rings then run as many); the kernel's SA_STAGES
+SA_STAGES = 2
+MAX_SHARED_BYTES = 227 * 1024  # dynamic shared memory one block may take on sm_90
 
 
 @dataclass(frozen=True)
@@ -85,9 +88,9 @@ class FoldConfig:
     # programmatic dependent launch (sm_90): the kernel starts while the one before it finishes and copies its first
     # planes before it waits for that kernel's outputs (w13's flag also covers the prep kernel)
     pdl: bool = False
-    # row tiles each warp walks one after another through one continuous ring (the next tile's first stages in flight
-    # while this one's last are multiplied): fewer, longer-lived blocks. MoE modes, one row tile, no warp K split
-    walk_tiles: int = 1
+    # the activations through a ring in shared memory that the warps sharing a K range fill together (each unit's
+    # activations leave L2 once per block, not once per warp), in lockstep: a block barrier per stage, two stages
+    shared_act: bool = False
 
     def __post_init__(self) -> None:
         if self.stage_chunks not in (4, 8):
@@ -110,11 +113,12 @@ class FoldConfig:
             raise ValueError("direct (one pair per block) needs n_tiles 1")
         if not 1 <= self.min_blocks <= 16:
             raise ValueError(f"min_blocks must be in 1..16, got {self.min_blocks}")
-        if self.walk_tiles not in WALK_TILES:
-            raise ValueError(f"walk_tiles must be one of {WALK_TILES}, got {self.walk_tiles}")
-        if self.walk_tiles > 1 and (self.row_tiles != 1 or self.wk != 1):
-            raise ValueError(f"walk_tiles={self.walk_tiles} needs row_tiles=1 and wk=1 (one tile per warp at a time, "
-                             f"no K split across warps), got row_tiles={self.row_tiles}, wk={self.wk}")
+        if self.shared_act and self.direct:
+            raise ValueError("shared_act needs blocks of 8 n_tiles slots (not direct: one pair has no activations to share)")
+        if self.shared_bytes > MAX_SHARED_BYTES:
+            raise ValueError(f"ring_kb={self.ring_kb}, wk={self.wk}, n_tiles={self.n_tiles}, stage_chunks={self.stage_chunks}"
+                             f"{', shared_act' if self.shared_act else ''} need {self.shared_bytes} bytes of shared memory "
+                             f"per block, more than the {MAX_SHARED_BYTES} a block may have")
 
     @property
     def slots(self) -> int:
@@ -122,15 +126,18 @@ class FoldConfig:
 
     @property
     def shared_bytes(self) -> int:
-        return NWARPS * self.ring_kb * 1024
+        act = self.wk * SA_STAGES * self.stage_chunks * self.n_tiles * CHUNK * 8 * 2 if self.shared_act else 0
+        return NWARPS * self.ring_kb * 1024 + act
 
     @property
     def rows_per_block(self) -> int:  # A rows of one block (MODE 0: half are gate rows, half up rows)
         return 16 * self.row_tiles * NWARPS // self.wk
 
     def min_ring_bytes(self, bits_max: int) -> int:
-        """One ring stage of `bits_max` planes (the kernel halves 4-chunk stages to 2 where two would not fit)."""
-        return self.row_tiles * bits_max * 16 * 16 * (2 if self.stage_chunks == 4 else 8)
+        """One ring stage of `bits_max` planes (the kernel halves 4-chunk stages to 2 where two would not fit); with
+        shared_act two such stages (the block steps through a ring of SA_STAGES)."""
+        one = self.row_tiles * bits_max * 16 * 16 * (2 if self.stage_chunks == 4 else 8)
+        return SA_STAGES * one if self.shared_act else one
 
 
 def fold_unsupported(w: APMoEWeights) -> str | None:
@@ -163,7 +170,7 @@ def gemv_defines(mode: int, cfg: FoldConfig, bits_max: int, group_size: int, com
             f"-DOT={out}", f"-DWK={cfg.wk}", f"-DMINB={cfg.min_blocks}", f"-DDIRECT={int(cfg.direct)}",
             f"-DRING={cfg.ring_kb * 1024}", f"-DSC={cfg.stage_chunks}", f"-DSPD={cfg.scale_stages}", f"-DBPF={int(cfg.act_prefetch)}",
             f"-DL2PF={cfg.l2_prefetch}", f"-DRT={cfg.row_tiles}", f"-DPDL={int(cfg.pdl)}",
-            f"-DWT={cfg.walk_tiles}"]
+            f"-DSA={int(cfg.shared_act)}"]
 
 
 def prep_defines(cfg: FoldConfig, group_size: int, compute: int, x_dtype: torch.dtype) -> list[str]:
@@ -199,10 +206,11 @@ def _split_chunks(total_chunks: int, group_chunks: int, splits: int) -> int:
 
 def default_fold_configs(m: int, topk: int, w13: APMoEWeights, w2: APMoEWeights, num_sms: int,
                          blocks_per_sm: float = 1.5, pdl: bool = False) -> tuple[FoldConfig, FoldConfig]:
-    """One pair per block for one token; else blocks of 8 (or 16) slots of one expert. w13 splits K across 2
-    warps of a block (4 while the grid holds fewer than `blocks_per_sm` blocks per SM), w2 across blocks
-    until it holds that many; at two n-tiles and a parent of <= 4 planes w2's warps hold two row tiles each.
-    `pdl` (the device supports programmatic dependent launch): the calls of one n-tile launch that way."""
+    """One pair per block for one token (w13 splits K across 2 warps of a block, 4 while the grid holds fewer than
+    `blocks_per_sm` blocks per SM); else blocks of 8 (or 16) slots of one expert whose activations pass through the
+    block-shared ring (shared_act). w2 splits K across blocks until the grid holds that many; at two n-tiles and a
+    parent of <= 4 planes w2's warps hold two row tiles each.
+    `pdl` (the device supports programmatic dependent launch): the calls launch that way."""
     pairs = m * topk
     if m == 1:
         nt, direct, units = 1, True, float(pairs)
@@ -225,9 +233,12 @@ def default_fold_configs(m: int, topk: int, w13: APMoEWeights, w2: APMoEWeights,
     while (units * row_blocks2 * splits < W2_FILL_BLOCKS_PER_SM * num_sms and splits * 2 <= chunks2 // gc2
            and chunks2 // (splits * 2) >= W2_MIN_SLICE_CHUNKS):
         splits *= 2
-    use_pdl = pdl and nt == 1
-    cfg13 = FoldConfig(n_tiles=nt, direct=direct, wk=wk, pdl=use_pdl)
-    cfg2 = FoldConfig(n_tiles=nt, direct=direct, k_per_split=_split_chunks(chunks2, gc2, splits), pdl=use_pdl)
+    # blocks of slots: the activations through the block-shared ring, w13's 4 warps on one K range (4 readers of each
+    # stage; splitting K over 2 or 4 warps measured slower with the ring)
+    shared_act = not direct
+    cfg13 = FoldConfig(n_tiles=nt, direct=direct, wk=1 if shared_act else wk, pdl=pdl, shared_act=shared_act)
+    cfg2 = FoldConfig(n_tiles=nt, direct=direct, k_per_split=_split_chunks(chunks2, gc2, splits), pdl=pdl,
+                      shared_act=shared_act)
     if nt == 2 and w2.bits_max <= W2_ROW_TILES_MAX_PLANES:
         cfg2 = replace(cfg2, row_tiles=W2_ROW_TILES_AT_TWO_N_TILES, min_blocks=W2_MIN_BLOCKS_AT_TWO_N_TILES)
     return cfg13, cfg2
@@ -245,8 +256,8 @@ def _gemv(mode: int, cfg: FoldConfig, w: APMoEWeights, compute: int, out_code: i
           row_index: int, apply_w_in: bool, g_out: int, xunit_per_pair: bool, has_bias: bool = False) -> None:
     if cfg.ring_kb * 1024 < cfg.min_ring_bytes(w.bits_max):
         raise ValueError(f"stage_chunks={cfg.stage_chunks}, row_tiles={cfg.row_tiles} at bits_max={w.bits_max} needs "
-                         f"ring_kb >= {-(-cfg.min_ring_bytes(w.bits_max) // 1024)} (one stage of {w.bits_max} planes), "
-                         f"got {cfg.ring_kb}")
+                         f"ring_kb >= {-(-cfg.min_ring_bytes(w.bits_max) // 1024)} "
+                         f"({SA_STAGES if cfg.shared_act else 1} stage(s) of {w.bits_max} planes), got {cfg.ring_kb}")
     kernel = _compiled(_SOURCE, "ap_fold_gemv", tuple(gemv_defines(mode, cfg, w.bits_max, w.group_size, compute, out_code)),
                        device.index or 0, cfg.shared_bytes)
     launch(kernel, grid, (32 * NWARPS, 1, 1), shared_mem=cfg.shared_bytes, pdl=cfg.pdl,
@@ -315,12 +326,12 @@ def ap_fused_moe_fold(
                   expert_ids=expert_ids, post_pad=post_pad if post_pad is not None else dummy,
                   num_pairs=num_pairs, topk=topk, m_rows=m, row_index=0, apply_w_in=apply_router_weight_on_input)
     row_blocks13 = -(-inter // (c13.rows_per_block // 2))
-    _gemv(MODE_W13, c13, w13, compute, 0, dev, (units, -(-row_blocks13 // c13.walk_tiles), 1),
+    _gemv(MODE_W13, c13, w13, compute, 0, dev, (units, row_blocks13, 1),
           xf=xf13, xs=xs13, xf_out=xf2, xs_out=xs2, acc_out=dummy, out=dummy, counters=dummy, bias=dummy,
           n_out=inter, k_per_split=w13.K, g_out=w2.group_size, xunit_per_pair=apply_router_weight_on_input,
           **common)
     kps = c2.k_per_split or inter
-    _gemv(MODE_W2, c2, w2, compute, _DTYPE_CODE[hidden.dtype], dev, (units, -(-row_blocks2 // c2.walk_tiles), -(-inter // kps)),
+    _gemv(MODE_W2, c2, w2, compute, _DTYPE_CODE[hidden.dtype], dev, (units, row_blocks2, -(-inter // kps)),
           xf=xf2, xs=xs2, xf_out=dummy, xs_out=dummy, acc_out=acc, out=out, counters=counters, bias=dummy,
           n_out=H, k_per_split=kps, g_out=w2.group_size, xunit_per_pair=True, **common)
     return out
@@ -346,8 +357,6 @@ def ap_linear_fold(x: torch.Tensor, w: APMoEWeights, row: int, bias: torch.Tenso
     cfg = config or default_linear_fold_config(m, w, torch.cuda.get_device_properties(dev).multi_processor_count)
     if cfg.direct:
         raise ValueError("a dense linear has no routing: direct (one pair per block) is for the MoE modes")
-    if cfg.walk_tiles != 1:
-        raise ValueError(f"walk_tiles={cfg.walk_tiles} is for the MoE modes; a dense linear takes walk_tiles=1")
     compute = compute_code(x.dtype)
     units = -(-m // cfg.slots)
     row_blocks = -(-w.N // cfg.rows_per_block)

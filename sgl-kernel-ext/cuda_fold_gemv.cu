@@ -82,9 +82,10 @@
 #ifndef L2PF
 #define L2PF 0  // L2 prefetch size of the plane copies: 0 (none), 128 or 256 bytes
 #endif
-#ifndef WT
-#define WT 1  // row tiles each warp walks one after another with one continuous ring (MoE modes, RT 1, WK 1)
+#ifndef SA
+#define SA 0  // activations through a block-shared ring in shared memory (filled with cp.async by the warps that read it)
 #endif
+#define SA_STAGES 2  // SA: stages of the activation ring (and of the plane ring)
 #ifndef PDL
 #define PDL 0  // launched as a programmatic dependent of the kernel before it (cuda_common.cuh, pdl_wait)
 #endif
@@ -106,11 +107,8 @@
 #if RT != 1 && RT != 2 && RT != 4
 #error "RT must be 1, 2 or 4"
 #endif
-#if WT != 1 && WT != 2 && WT != 4 && WT != 8
-#error "WT must be 1, 2, 4 or 8"
-#endif
-#if WT > 1 && (RT != 1 || WK != 1 || MODE == 2)
-#error "walking row tiles (WT > 1) needs RT 1, WK 1 and an MoE mode"
+#if SA && DIRECT
+#error "SA needs blocks of 8 NT slots (not DIRECT)"
 #endif
 
 #define NWARPS 4
@@ -119,7 +117,7 @@
 #define CHUNK 128
 #define GC (G / CHUNK)                      // chunks per group
 #define UNIT_CHUNK_ELEMS (NT * 4 * 32 * 8)  // 16-bit activation values of one unit and chunk
-#define WALK_STEP ((MODE == 0 ? 8 : 16) * WR)  // rows from one walked tile of a warp to its next (RT 1)
+#define ACT_RING_BYTES (SA_STAGES * SC * UNIT_CHUNK_ELEMS * 2)  // SA: one K range's activation ring (the widest stage)
 
 #include "cuda_common.cuh"
 
@@ -268,25 +266,29 @@ __device__ __forceinline__ bool rows_of_warp(int by, int wr, int g, int n_out, i
     return (MODE == 0 ? 8 : 16) * rt0 < n_out;
 }
 
-// K range (chunks) of warp part wk in K slice bz (MODE 1/2; MODE 0 has one slice): WK parts of whole groups
-__device__ __forceinline__ void k_range_of_warp(int bz, int wk, int chunks, int k_per_split, int& c_begin, int& c_end) {
+// K range (chunks) of warp part wk in K slice bz (MODE 1/2; MODE 0 has one slice): WK parts of whole groups, `per`
+// chunks each (the last may be shorter)
+__device__ __forceinline__ int k_range_of_warp(int bz, int wk, int chunks, int k_per_split, int& c_begin, int& c_end) {
     const int kc = k_per_split / CHUNK;
     const int blk_begin = MODE == 0 ? 0 : min(chunks, bz * kc);
     const int blk_end = MODE == 0 ? chunks : min(chunks, blk_begin + kc);
     const int per = ((blk_end - blk_begin + GC * WK - 1) / (GC * WK)) * GC;
     c_begin = min(blk_end, blk_begin + wk * per);
     c_end = min(blk_end, c_begin + per);
+    return per;
 }
 
 // ------------------------------------------------------------ one warp: RT tiles of 16 rows x chunks [c_begin, c_end)
 // Tile r holds rows ra[r] (lane row g) and rb[r] (g + 8); every tile multiplies the same activation fragments, so a
 // warp of RT tiles loads each chunk's activations once for 16 RT rows.
-// WT > 1: the warp walks nw tiles (rows na0 + w WALK_STEP, w < nw) through one continuous ring, so the next tile's
-// first stages are in flight while this tile's last ones are multiplied; done(w, y) takes each finished tile's y.
-template <int Q, class Done>
+// SA: the activations come from a ring in shared memory that the WR warps sharing this K range fill together with
+// cp.async, one stage at a time next to their planes (each warp copies 1 / WR of it), so a unit's activations leave
+// L2 once per block instead of once per warp. The warps of a block then step in lockstep: one block barrier per
+// stage (every warp runs the same nstages, including those whose rows or K range are empty).
+template <int Q>
 __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, const float* xs, int n_table, int K,
-                                          unsigned char* ring, const int* ra, const int* rb, int c_begin, int c_end,
-                                          float (*y)[NT][4], int nw, int na0, int nb0, int n_out, Done& done) {
+                                          unsigned char* ring, u32 act_ring, const int* ra, const int* rb, int c_begin,
+                                          int c_end, int span, float (*y)[NT][4]) {
     // chunks per stage: SC, halved where two stages of RT tiles of Q planes would not fit the ring (5-8 bits, or
     // more than one tile, in the 8 KB ring)
     constexpr int SCQ = (SC == 4 && RING < 2 * Q * 1024 * RT) ? 2 : SC;
@@ -296,8 +298,13 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     constexpr int TILE_BYTES = Q * PLANE_BYTES;
     constexpr int STAGE_BYTES = RT * TILE_BYTES;
     constexpr int DR = RING / STAGE_BYTES;
-    constexpr int D = DR > 8 ? 8 : (DR < 1 ? 1 : DR);  // stages in flight (1: the warp waits for each stage)
+    // stages in flight (1: the warp waits for each stage); SA: the activation ring's SA_STAGES
+    constexpr int D = SA ? (DR < SA_STAGES ? DR : SA_STAGES) : (DR > 8 ? 8 : (DR < 1 ? 1 : DR));
     static_assert(DR >= 1, "RING must hold one stage of PMAX planes");
+    static_assert(!SA || D == SA_STAGES, "SA needs the plane ring to hold SA_STAGES stages");
+    constexpr int ACT_STAGE_BYTES = SCQ * UNIT_CHUNK_ELEMS * 2;  // one stage of the K range's activations
+    constexpr int ACT_PIECES = ACT_STAGE_BYTES / 16 / (WR * 32);  // 16-byte copies per lane and stage (SA)
+    const int nstages = (span + SCQ - 1) / SCQ;  // span: chunks from c_begin (SA: the same for every warp of the block)
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const long long row_bytes = K >> 3;
@@ -334,96 +341,104 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     const int lsw = swz(lr);
     const int toff = n_table * ngroups;
     const u16* xl = xf + lane * 8;
+    const int piece0 = (((int)threadIdx.x >> 5) % WR) * 32 + lane;  // SA: this lane's first copy of a stage
 
-    const int nstages = (c_end - c_begin + SCQ - 1) / SCQ;
-    const int total = WT == 1 ? nstages : nw * nstages;  // stages of every walked tile, in one sequence
-    // rows (lane rows g and g + 8) of walked tile w
-    auto walk_rows = [&](int w, int& a, int& b) {
-        a = min(na0 + w * WALK_STEP, n_out - 1);
-#if MODE == 0
-        b = n_out + a;
-#else
-        b = min(nb0 + w * WALK_STEP, n_out - 1);
-#endif
-    };
-    // stage si of the sequence: ring slot si % D, its tile w = si / nstages and the tile's stage si - w nstages
-    auto issue = [&](int si) {
-        const int w = WT == 1 ? 0 : si / nstages;
-        const int st = si - w * nstages;
-        const int c = c_begin + st * SCQ + t;
-        if (si < total && t < SCQ && c < c_end) {
-            const long long so = (long long)st * SCQ * 16;
-            long long oa = 0, ob = db[0];  // walked tile w: its rows' offsets from ra[0]
-            if constexpr (WT > 1) {
-                int a, b;
-                walk_rows(w, a, b);
-                oa = (long long)(a - ra[0]) * row_bytes;
-                ob = (long long)(b - ra[0]) * row_bytes;
-            }
+    // the planes of stage si into ring slot si % D
+    auto issue_planes = [&](int si) {
+        const int c = c_begin + si * SCQ + t;
+        if (si < nstages && t < SCQ && c < c_end) {
+            const long long so = (long long)si * SCQ * 16;
 #pragma unroll
             for (int r = 0; r < RT; ++r) {
                 const u32 base = ring_base + (u32)((si % D) * STAGE_BYTES + r * TILE_BYTES);
 #pragma unroll
                 for (int p = 0; p < Q; ++p) {
-                    const unsigned char* s = r == 0 ? src[p] + so + oa : src[p] + so + da[r];
-                    cp_async16(base + p * PLANE_BYTES + dst_a, s);
-                    cp_async16(base + p * PLANE_BYTES + dst_b, src[p] + so + (r == 0 ? ob : db[r]));
+                    cp_async16(base + p * PLANE_BYTES + dst_a, src[p] + so + (r == 0 ? 0 : da[r]));
+                    cp_async16(base + p * PLANE_BYTES + dst_b, src[p] + so + db[r]);
                 }
                 if (SCQ == 8 && c + 4 < c_end) {
 #pragma unroll
                     for (int p = 0; p < Q; ++p) {
-                        const unsigned char* s = r == 0 ? src[p] + so + 64 + oa : src[p] + so + 64 + da[r];
-                        cp_async16(base + p * PLANE_BYTES + dst_a4, s);
-                        cp_async16(base + p * PLANE_BYTES + dst_b4, src[p] + so + 64 + (r == 0 ? ob : db[r]));
+                        cp_async16(base + p * PLANE_BYTES + dst_a4, src[p] + so + 64 + (r == 0 ? 0 : da[r]));
+                        cp_async16(base + p * PLANE_BYTES + dst_b4, src[p] + so + 64 + db[r]);
                     }
                 }
             }
         }
-        cp_async_commit();
+    };
+    // SA: this lane's share of stage si's activations into activation slot si % D. A chunk past the K range copies the
+    // range's last chunk (real, finite values: its codes meet coefficients and sums of 0 there, see below).
+    auto issue_acts = [&](int si) {
+        if (SA && si < nstages) {
+            const u32 base = act_ring + (u32)((si % D) * ACT_STAGE_BYTES);
+#pragma unroll
+            for (int j = 0; j < ACT_PIECES; ++j) {
+                const int piece = piece0 + j * WR * 32;
+                const int i = piece / (UNIT_CHUNK_ELEMS / 8);  // chunk of the stage
+                const int c = max(0, min(c_begin + si * SCQ + i, c_end - 1));
+                cp_async16(base + (u32)piece * 16,
+                           xf + (long long)c * UNIT_CHUNK_ELEMS + (piece % (UNIT_CHUNK_ELEMS / 8)) * 8);
+            }
+        }
     };
     // (scale, offset) of each tile's rows ra, rb for the group of stage position t + 4 h
     auto load_scales = [&](int si, int h, u16 (*sc)[4]) {
-        const int w = WT == 1 ? 0 : si / nstages;
-        const int st = si - w * nstages;
-        const int c = c_begin + st * SCQ + t + 4 * h;
-        const bool ok = si < total && t < SCQ && c < c_end;
+        const int c = c_begin + si * SCQ + t + 4 * h;
+        const bool ok = si < nstages && t < SCQ && c < c_end;
         const int grp = (c * CHUNK) / G;
 #pragma unroll
         for (int r = 0; r < RT; ++r) {
-            const u16* ta = tab_a[r];
-            const u16* tb = tab_b[r];
-            if constexpr (WT > 1) {
-                int a, b;
-                walk_rows(w, a, b);
-                ta = table + (long long)a * ngroups;
-                tb = table + (long long)b * ngroups;
-            }
             if (ok) {
-                sc[r][0] = __ldg(ta + grp);
-                sc[r][1] = __ldg(ta + toff + grp);
-                sc[r][2] = __ldg(tb + grp);
-                sc[r][3] = __ldg(tb + toff + grp);
+                sc[r][0] = __ldg(tab_a[r] + grp);
+                sc[r][1] = __ldg(tab_a[r] + toff + grp);
+                sc[r][2] = __ldg(tab_b[r] + grp);
+                sc[r][3] = __ldg(tab_b[r] + toff + grp);
             } else {
                 sc[r][0] = sc[r][1] = sc[r][2] = sc[r][3] = 0;
             }
         }
     };
-    auto load_act = [&](int c, uint4 (*b)[4]) {
-        const u16* pc = xl + (long long)c * UNIT_CHUNK_ELEMS;
+    // chunk c's activations for every n-tile: from L2 (each warp its own), or SA from the activation ring (stage si)
+    auto load_act = [&](int c, int si, uint4 (*b)[4]) {
+        if constexpr (SA) {  // c: the chunk's position in stage si
+            const u32 pc = act_ring + (u32)((si % D) * ACT_STAGE_BYTES + c * UNIT_CHUNK_ELEMS * 2 + lane * 16);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+            for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int v = 0; v < 4; ++v) {
+                for (int v = 0; v < 4; ++v) b[nt][v] = lds128(pc + (nt * 4 + v) * 512);
+        } else {
+            const u16* pc = xl + (long long)c * UNIT_CHUNK_ELEMS;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) {
 #if DIRECT
-                b[nt][v] = g == 0 ? ld_act128(pc + v * 256) : make_uint4(0u, 0u, 0u, 0u);
+                    b[nt][v] = g == 0 ? ld_act128(pc + v * 256) : make_uint4(0u, 0u, 0u, 0u);
 #else
-                b[nt][v] = ld_act128(pc + (nt * 4 + v) * 256);
+                    b[nt][v] = ld_act128(pc + (nt * 4 + v) * 256);
 #endif
-            }
+                }
+        }
     };
 
+    if (SA) {
+        // the planes of the first D - 1 stages while the kernel before finishes; the activations it writes after
+        // pdl_wait (cp.async group 0 then holds those planes and stage 0's activations)
 #pragma unroll
-    for (int st = 0; st < D - 1; ++st) issue(st);
+        for (int st = 0; st < D - 1; ++st) issue_planes(st);
+        pdl_wait();
+#pragma unroll
+        for (int st = 0; st < D - 1; ++st) {
+            issue_acts(st);
+            cp_async_commit();
+        }
+    } else {
+#pragma unroll
+        for (int st = 0; st < D - 1; ++st) {
+            issue_planes(st);
+            cp_async_commit();
+        }
+    }
     constexpr int NH = SCQ < 4 ? 1 : SCQ / 4;  // coefficient sets per lane, tile and stage
     // the tables come from DRAM: their loads run PD stages ahead (rotated through registers)
     constexpr int PD = SPD;
@@ -439,25 +454,27 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[r][nt][c] = acc_lo[r][nt][c] = 0.f;
-    // activations: double-buffered for one n-tile (the next chunk's load is in flight), else loaded per chunk
-    constexpr bool PREFETCH = NT == 1 && BPF;
+    // activations from L2: double-buffered for one n-tile (the next chunk's load is in flight), else loaded per chunk
+    constexpr bool PREFETCH = !SA && NT == 1 && BPF;
     uint4 bq[PREFETCH ? 2 : 1][NT][4];
     // the activations and their sums are the previous kernel's output: everything above reads only planes and tables
     pdl_wait();
-    if (PREFETCH) load_act(c_begin, bq[0]);
+    if (PREFETCH) load_act(c_begin, 0, bq[0]);
 
-    for (int si = 0; si < total; ++si) {
-        issue(si + D - 1);  // into the slot stage si - 1 used (every lane passed the __syncwarp below)
-        cp_async_wait<D - 1>();
-        __syncwarp();
-        const int w = WT == 1 ? 0 : si / nstages;
-        const int st = si - w * nstages;
-        if constexpr (WT > 1) {
-            // a new tile: drop what the previous tile's chunks past c_end left in acc (they reach no group end there)
-            if (st == 0) {
-                zero_tiles(acc);
-                zero_tiles(acc_lo);
-            }
+    for (int si = 0; si < nstages; ++si) {
+        if (SA) {
+            // stage si complete in this thread; the barrier makes every warp's copies visible and tells that all are
+            // done with stage si - 1, whose slots the next copies take
+            cp_async_wait<D - 2>();
+            __syncthreads();
+            issue_planes(si + D - 1);
+            issue_acts(si + D - 1);
+            cp_async_commit();
+        } else {
+            issue_planes(si + D - 1);  // into the slot stage si - 1 used (every lane passed the __syncwarp below)
+            cp_async_commit();
+            cp_async_wait<D - 1>();
+            __syncwarp();
         }
         Coef ca[NH][RT], cb[NH][RT];
 #pragma unroll
@@ -481,7 +498,7 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
         float2 S_st[SCQ][NT];
 #pragma unroll
         for (int i = 0; i < SCQ; ++i) {
-            const int c = c_begin + st * SCQ + i;
+            const int c = c_begin + si * SCQ + i;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 S_st[i][nt] = make_float2(0.f, 0.f);
@@ -502,12 +519,12 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
         const u32 sbase = ring_base + (u32)((si % D) * STAGE_BYTES);
 #pragma unroll
         for (int i = 0; i < SCQ; ++i) {
-            const int c = c_begin + st * SCQ + i;
+            const int c = c_begin + si * SCQ + i;
             if (NT == 1 || c < c_end) {  // uniform over the warp; two n-tiles keep the guard (unguarded, they spill)
                 uint4(*b)[4] = bq[PREFETCH ? (i & 1) : 0];
-                if (!PREFETCH) load_act(min(c, c_end - 1), bq[0]);
-                else load_act(WT > 1 ? (c + 1 < c_end ? c + 1 : c_begin) : min(c + 1, c_end - 1),  // walked: the next
-                              bq[PREFETCH ? ((i + 1) & 1) : 0]);                                 // tile's first
+                if (SA) load_act(i, si, bq[0]);
+                else if (!PREFETCH) load_act(min(c, c_end - 1), si, bq[0]);
+                else load_act(min(c + 1, c_end - 1), si, bq[PREFETCH ? ((i + 1) & 1) : 0]);
                 const bool group_end = (c + 1) % GC == 0;
                 const float2* S = S_st[i];
 #pragma unroll
@@ -556,13 +573,7 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
                 }
             }
         }
-        __syncwarp();
-        if constexpr (WT > 1) {
-            if (st == nstages - 1) {  // tile w is finished: hand its y on, start the next from 0
-                done(w, y);
-                zero_tiles(y);
-            }
-        }
+        if (!SA) __syncwarp();
     }
     cp_async_wait<0>();
 }
@@ -665,8 +676,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int wr = warp % WR, wk = warp / WR;
-    const int yb0 = blockIdx.y * WT;  // first row block of this block (it walks WT of them)
-    const int rt0 = (yb0 * WR + wr) * RT;  // first row tile of this warp (it holds RT consecutive tiles)
+    const int rt0 = (blockIdx.y * WR + wr) * RT;  // first row tile of this warp (it holds RT consecutive tiles)
     const int chunks = K / CHUNK;
 
     // the next kernel may launch as soon as every block of this one has started: its blocks take the SMs this grid's
@@ -675,13 +685,12 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
     pdl_launch_dependents();
     const int expert = expert_of_block(blockIdx.x, row_index, num_pairs, num_experts, expert_ids, post_pad);
     int na[RT], nb[RT], ra[RT], rb[RT];
-    const bool tile_ok = rows_of_warp(yb0, wr, g, n_out, na, nb, ra, rb);
-    int nw = 1;  // row tiles this warp walks (WT > 1): those with rows
-    if (WT > 1)
-        for (int w = 1; w < WT; ++w) nw += (MODE == 0 ? 8 : 16) * (rt0 + w * WR) < n_out;
+    const bool tile_ok = rows_of_warp(blockIdx.y, wr, g, n_out, na, nb, ra, rb);
     int c_begin, c_end;
-    k_range_of_warp(blockIdx.z, wk, chunks, k_per_split, c_begin, c_end);
-    const bool active = expert >= 0 && tile_ok && c_begin < c_end;
+    const int per = k_range_of_warp(blockIdx.z, wk, chunks, k_per_split, c_begin, c_end);
+    // SA: every warp of a block with an expert steps through the same stages (a block barrier per stage); a warp past
+    // the last rows reads the last row (clamped) and stores nothing, one past the K range multiplies zeros
+    const bool active = SA ? expert >= 0 : expert >= 0 && tile_ok && c_begin < c_end;
 
     // input unit of the activations
 #if DIRECT
@@ -699,23 +708,16 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
     u16* xo = xf_out + (long long)blockIdx.x * (n_out / CHUNK) * UNIT_CHUNK_ELEMS;  // this unit's w2 activations
     float* xs_unit = xs_out + (long long)blockIdx.x * (n_out / g_out) * SLOTS;
 #endif
-    // a walked tile's epilogue (WT > 1), called by warp_rows as each tile finishes
-    auto done = [&](int w, float (*yy)[NT][4]) {
-#if MODE == 0
-        w13_store_tile(yy[0], rt0 + w * WR, n_out, g_out, xo, xs_unit, num_pairs, sorted_ids);
-#else
-        w2_add_tile(yy[0], na[0] + w * WALK_STEP, nb[0] + w * WALK_STEP, n_out, num_pairs, sorted_ids, topk_weights,
-                    apply_w_in, topk, m_rows, acc_out);
-#endif
-    };
     if (active) {
         const long long* prow = page_table + (long long)expert * pt_stride;
         const int q = (int)prow[0];
         const u16* xfu = xf + (long long)unit * chunks * UNIT_CHUNK_ELEMS;
         const float* xsu = xs + (long long)unit * (K / G) * SLOTS;
         unsigned char* ring = smem + warp * RING;
+        const u32 act_ring = smem_u32(smem + NWARPS * RING + wk * ACT_RING_BYTES);  // SA: this K range's
 #define CALL_ROWS(Q) \
-    warp_rows<(Q <= PMAX ? Q : 1)>(prow, xfu, xsu, n_table, K, ring, ra, rb, c_begin, c_end, y, nw, na[0], nb[0], n_out, done)
+    warp_rows<(Q <= PMAX ? Q : 1)>(prow, xfu, xsu, n_table, K, ring, act_ring, ra, rb, c_begin, c_end, \
+                                   SA ? per : c_end - c_begin, y)
         Q_SWITCH(q, CALL_ROWS)
 #undef CALL_ROWS
     }
@@ -751,7 +753,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
                             y[r][nt][c] += red[(((p - 1) * WR + wr) * 32 + lane) * PER_LANE + (r * NT + nt) * 4 + c];
         }
     }
-    if (wk != 0 || expert < 0 || !tile_ok || WT > 1) return;  // (walked tiles were stored as each finished)
+    if (wk != 0 || expert < 0 || !tile_ok) return;
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
         if (8 * (rt0 + r) >= n_out) break;  // uniform: the tiles past the end
@@ -759,31 +761,26 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
     }
     (void)nb;
 #else
-    // float32 atomics into [M, N] (walked tiles: as each finished), then the last block of each row block converts it
+    // float32 atomics into [M, N], then the last block of each row block converts it
     if (active) {
-        if (WT == 1)
 #pragma unroll
-            for (int r = 0; r < RT; ++r)
-                w2_add_tile(y[r], na[r], nb[r], n_out, num_pairs, sorted_ids, topk_weights, apply_w_in, topk, m_rows,
-                            acc_out);
+        for (int r = 0; r < RT; ++r)
+            w2_add_tile(y[r], na[r], nb[r], n_out, num_pairs, sorted_ids, topk_weights, apply_w_in, topk, m_rows,
+                        acc_out);
         __threadfence();
     }
     __shared__ int last;
-    for (int w = 0; w < WT; ++w) {  // uniform over the block
-        const int yb = yb0 + w;
-        const int r0 = yb * WR * RT * 16;
-        if (r0 >= n_out) break;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            const int prev = atomicAdd(counters + yb, 1);
-            last = prev == (int)(gridDim.x * gridDim.z) - 1;
-        }
-        __syncthreads();
-        if (!last) continue;
-        __threadfence();
-        const int nrows = min(WR * RT * 16, n_out - r0);
-        convert_rows(acc_out, out, bias, has_bias, m_rows, n_out, r0, nrows);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int prev = atomicAdd(counters + blockIdx.y, 1);
+        last = prev == (int)(gridDim.x * gridDim.z) - 1;
     }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int r0 = blockIdx.y * WR * RT * 16;
+    const int nrows = min(WR * RT * 16, n_out - r0);
+    if (nrows > 0) convert_rows(acc_out, out, bias, has_bias, m_rows, n_out, r0, nrows);
     (void)xf_out; (void)xs_out; (void)g_out; (void)xunit_per_pair; (void)has_bias;
 #endif
 }

@@ -50,11 +50,9 @@ def test_every_variant_compiles_for_sm90(mode):
     for cfg in (FoldConfig(1), FoldConfig(2), FoldConfig(1, wk=2), FoldConfig(2, wk=4),
                 FoldConfig(1, wk=2, row_tiles=2, min_blocks=3), FoldConfig(2, row_tiles=4, ring_kb=16, min_blocks=2),
                 FoldConfig(1, wk=2, pdl=True), FoldConfig(2, row_tiles=2, pdl=True),
-                FoldConfig(1, walk_tiles=4, pdl=True), FoldConfig(2, walk_tiles=2)):
-        if mode == 2 and cfg.walk_tiles > 1:
-            with pytest.raises(RuntimeError, match="WT > 1"):  # walked tiles are for the MoE modes
-                compile_to_cubin(gemv_defines(mode, cfg, 8, 128, 0), "90")
-            continue
+                FoldConfig(1, shared_act=True, pdl=True), FoldConfig(2, wk=2, shared_act=True),
+                FoldConfig(1, wk=2, shared_act=True, ring_kb=32, stage_chunks=8),
+                FoldConfig(2, row_tiles=2, ring_kb=16, shared_act=True, pdl=True, min_blocks=3)):
         for bits_max, group, compute in ((8, 128, 0), (4, 256, 1)):
             jobs.append(functools.partial(compile_to_cubin, gemv_defines(mode, cfg, bits_max, group, compute, out=compute),
                                           "90"))
@@ -91,14 +89,20 @@ def test_programmatic_launch_reaches_the_sass():
     assert "ACQBULK" in pdl and "PREEXIT" in pdl and "ACQBULK" in prep and "PREEXIT" in prep
 
 
-def test_walked_tiles_are_refused_where_they_do_not_apply():
-    with pytest.raises(ValueError, match="walk_tiles must be one of"):
-        FoldConfig(walk_tiles=3)
-    with pytest.raises(ValueError, match="needs row_tiles=1 and wk=1"):
-        FoldConfig(walk_tiles=2, wk=2)
-    with pytest.raises(ValueError, match="needs row_tiles=1 and wk=1"):
-        FoldConfig(walk_tiles=4, row_tiles=2, min_blocks=3)
-    assert "-DWT=4" in gemv_defines(1, FoldConfig(walk_tiles=4), 8, 128, 0)
+def test_shared_activations_size_their_ring_and_are_refused_where_they_do_not_apply():
+    """shared_act adds a two-stage activation ring per K range (wk of them) to the plane rings, needs two plane stages
+    in each warp's ring, and is refused for one pair per block and beyond a block's shared memory."""
+    base = FoldConfig(1, wk=2)
+    assert FoldConfig(1, wk=2, shared_act=True).shared_bytes == base.shared_bytes + 2 * 2 * 4 * 2048
+    assert FoldConfig(2, shared_act=True, stage_chunks=8, ring_kb=16).shared_bytes == 4 * 16384 + 2 * 8 * 2 * 2048
+    assert FoldConfig(1, shared_act=True).min_ring_bytes(8) == 2 * FoldConfig(1).min_ring_bytes(8) == 8 * 1024
+    assert "-DSA=1" in gemv_defines(1, FoldConfig(shared_act=True), 8, 128, 0)
+    with pytest.raises(ValueError, match="shared_act needs blocks of 8 n_tiles slots"):
+        FoldConfig(1, direct=True, shared_act=True)
+    with pytest.raises(ValueError, match="more than the .* a block may have"):
+        FoldConfig(2, wk=4, ring_kb=40, stage_chunks=8, shared_act=True)
+    with pytest.raises(RuntimeError, match="SA needs blocks of 8 NT slots"):
+        compile_to_cubin(gemv_defines(0, FoldConfig(1, direct=True), 8, 128, 0) + ["-DSA=1"], "90")
 
 
 def test_direct_layout_is_refused_where_it_does_not_apply():
@@ -235,11 +239,15 @@ def test_configs_and_refusals():
     assert (big4_2.row_tiles, big4_2.min_blocks, big4.row_tiles) == (2, 3, 1)
     assert big4_2.k_per_split == big2.k_per_split  # the K slices are chosen at one row tile
     assert default_fold_configs(16, 2, p4_13, p4_2, num_sms=132)[1].row_tiles == 1  # one n-tile
-    # programmatic dependent launch only where the device has it, and only at one n-tile (slower at two)
+    # programmatic dependent launch where the device has it, at one and two n-tiles
     assert not any(c.pdl for c in (one, one2, big, big2))
-    assert all(c.pdl for c in default_fold_configs(1, 4, w13, w2, num_sms=132, pdl=True))
-    assert all(c.pdl for c in default_fold_configs(8, 4, w13, w2, num_sms=132, pdl=True))
-    assert not any(c.pdl for c in default_fold_configs(64, 2, w13, w2, num_sms=132, pdl=True))
+    for m, topk in ((1, 4), (8, 4), (64, 2)):
+        assert all(c.pdl for c in default_fold_configs(m, topk, w13, w2, num_sms=132, pdl=True))
+    assert default_fold_configs(64, 2, w13, w2, num_sms=132, pdl=True)[0].n_tiles == 2
+    # blocks of slots read their activations through the block-shared ring, w13 on one K range; one pair per block not
+    assert all(c.shared_act for c in default_fold_configs(16, 2, w13, w2, num_sms=132) + (big, big2))
+    assert default_fold_configs(16, 2, w13, w2, num_sms=132)[0].wk == big.wk == 1
+    assert not any(c.shared_act for c in default_fold_configs(1, 4, w13, w2, num_sms=132))
     assert "CUDA" in fold_unsupported(w13)
     bcq = random_ap_projection(1, 64, 256, [4], table_kind="bcq", bits_min=4).weights
     g32 = random_ap_projection(1, 64, 256, [4], table_kind="ubcq", group_size=32, bits_min=4).weights
@@ -356,10 +364,14 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
     layouts.append((FoldConfig(1, wk=2, pdl=True), FoldConfig(1, k_per_split=128, pdl=True)))
     layouts.append((FoldConfig(2, pdl=True), FoldConfig(2, row_tiles=2, min_blocks=3, pdl=True)))
     layouts.append((FoldConfig(1, direct=True, pdl=True), FoldConfig(1, direct=True, pdl=True)))
-    # each warp walks several row tiles through one ring (partial last walks: 384 / 640 rows; w2 in K slices)
-    layouts.append((FoldConfig(1, walk_tiles=2), FoldConfig(1, k_per_split=128, walk_tiles=4)))
-    layouts.append((FoldConfig(2, walk_tiles=8, pdl=True), FoldConfig(2, walk_tiles=2, pdl=True)))
-    layouts.append((FoldConfig(1, direct=True, walk_tiles=4, pdl=True), FoldConfig(1, direct=True, walk_tiles=8)))
+    # the activations through a block-shared ring (K split over 2 / 4 warps: parts of 3 / 2 chunks at K = 640, one of
+    # them short; w2 in K slices; rows past the end in the last row block; two n-tiles; row tiles)
+    layouts.append((FoldConfig(1, wk=2, shared_act=True), FoldConfig(1, k_per_split=128, shared_act=True)))
+    layouts.append((FoldConfig(1, wk=4, shared_act=True, pdl=True), FoldConfig(1, shared_act=True, pdl=True)))
+    layouts.append((FoldConfig(2, shared_act=True), FoldConfig(2, k_per_split=256, shared_act=True, pdl=True)))
+    layouts.append((FoldConfig(1, shared_act=True, stage_chunks=8, ring_kb=32), FoldConfig(1, shared_act=True, row_tiles=2, ring_kb=16)))
+    layouts.append((FoldConfig(2, wk=2, shared_act=True, row_tiles=2, min_blocks=3),
+                    FoldConfig(2, row_tiles=2, ring_kb=16, min_blocks=3, shared_act=True)))
     for cfgs in layouts:
         out = ap_fused_moe_fold(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
         assert rel_err(out, ref) < 2e-2, cfgs
