@@ -62,13 +62,23 @@ def candidates(c13, c2, w2, names=None):
             # programmatic dependent launches (each kernel copies its first planes while the one before finishes)
             "pdl": both(c13, c2, pdl=True),
             "nopdl": both(c13, c2, pdl=False),
-            # each warp walks 2 / 4 / 8 row tiles through one continuous ring (w13 without its warp K split)
-            "walk2": both(c13, c2, wk=1, row_tiles=1, min_blocks=DEFAULT_MIN_BLOCKS, walk_tiles=2),
-            "walk4": both(c13, c2, wk=1, row_tiles=1, min_blocks=DEFAULT_MIN_BLOCKS, walk_tiles=4),
-            "walk8": both(c13, c2, wk=1, row_tiles=1, min_blocks=DEFAULT_MIN_BLOCKS, walk_tiles=8),
-            "walk4w2": (c13, replace(c2, row_tiles=1, min_blocks=DEFAULT_MIN_BLOCKS, walk_tiles=4)),
-            "walk4w13": (replace(c13, wk=1, walk_tiles=4), c2),
         }
+        if not c13.direct:  # the activations through a block-shared ring (w13 with 1 / 2 / 4 warps per K range)
+            table.update({
+                "sa": both(c13, c2, shared_act=True),
+                "nosa_wk2": (replace(c13, shared_act=False, wk=2), replace(c2, shared_act=False)),  # the rule before it
+                "sa13": (replace(c13, shared_act=True), c2),
+                "sa2": (c13, replace(c2, shared_act=True)),
+                "sa_wk1": (replace(c13, shared_act=True, wk=1), replace(c2, shared_act=True)),
+                "sa_wk4": (replace(c13, shared_act=True, wk=4), replace(c2, shared_act=True)),
+                "sa_mb3": both(c13, c2, shared_act=True, min_blocks=3),
+                "sa_mb5": both(c13, c2, shared_act=True, min_blocks=5),
+                "sa_rt2": (replace(c13, shared_act=True, wk=1, row_tiles=2, min_blocks=3),
+                           replace(c2, shared_act=True, row_tiles=2, min_blocks=3)),
+                "sa_wk1_pf0": (replace(c13, shared_act=True, wk=1, l2_prefetch=0), replace(c2, shared_act=True, l2_prefetch=0)),
+                "sa_wk1_kb16": (replace(c13, shared_act=True, wk=1, ring_kb=16), replace(c2, shared_act=True, ring_kb=16)),
+                "sa_wk1_w2rt2": (replace(c13, shared_act=True, wk=1), replace(c2, shared_act=True, row_tiles=2, min_blocks=3)),
+            })
         kps = c2.k_per_split or w2.K
         for f in (2, 4):  # w2 cut into f times as many K slices (more blocks when there are few pairs)
             k = max(w2.group_size, kps // f // w2.group_size * w2.group_size)

@@ -14,7 +14,7 @@
 #                                           # W8A16 MoE (sglang_moe_anchors.py, copied into .carry/bench and carried) and
 #                                           # benchmark/decode_bench.py beside them, M 1..64 (issue #18's headline keys)
 #   bash benchmark/gpu_session.sh fold      # fold kernel: the whole test_kernel_fold.py, then fold_sweep.py's named variants
-#                                           # (FOLD_CANDIDATES, default the walked tiles and PDL off) on every decode shape,
+#                                           # (FOLD_CANDIDATES, default the shared-activation rule and the one before it) on every decode shape,
 #                                           # M 1..64 (FOLD_MODELS, KB_MS, FOLD_CASE; no devicekit)
 #   bash benchmark/gpu_session.sh grouped   # prefill: grouped-kernel GPU tests, SGLang's bf16 / FP8 block128 MoE at
 #                                           # M 256..8192 (sglang_moe_anchors.py, carried in .carry/bench) and
@@ -70,12 +70,21 @@ if [ "$stage" = decode ]; then
 fi
 
 if [ "$stage" = fold ]; then
-  timeout "${FOLD_TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_kernel_fold.py 2>&1 | tail -15 \
-    | tee "$OUT/gpu_tests_fold.txt"
+  # the test file in four processes at once (NVRTC compiles dominate; the GPU work is small), then the sweep alone
+  if [ "${FOLD_TESTS:-1}" != 0 ]; then
+    i=0
+    for sel in "linear" "moe_matches" "graph_replay or skips or group_sizes" "not linear and not moe_matches and not graph_replay and not skips and not group_sizes"; do
+      timeout "${FOLD_TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_kernel_fold.py -k "$sel" \
+        --durations=5 >"$OUT/gpu_tests_fold_$i.txt" 2>&1 &
+      i=$((i + 1))
+    done
+    wait
+    for f in "$OUT"/gpu_tests_fold_*.txt; do echo "== $f"; tail -12 "$f"; done
+  fi
   timeout "${FOLD_SWEEP_TIMEOUT:-280}" python3 benchmark/fold_sweep.py --out "$OUT/fold_sweep.json" \
     --models "${FOLD_MODELS:-qwen15moe,qwen3moe,mixtral,mixtral_tp2,qwen3moe_tp2}" --ms "${KB_MS:-1,4,16,64}" \
     --case "${FOLD_CASE:-u4}" --reps 30 --no-profile \
-    --candidates "${FOLD_CANDIDATES:-walk2,walk4,walk8,walk4w2,walk4w13,nopdl}" 2>&1 | grep -v "^W1" | tail -150
+    --candidates "${FOLD_CANDIDATES:-sa,nosa_wk2}" 2>&1 | grep -v "^W1" | tail -150
 fi
 
 if [ "$stage" = grouped ]; then
