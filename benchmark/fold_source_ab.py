@@ -42,7 +42,7 @@ _INCLUDE = re.compile(r'^#include "([\w.]+)"$', re.M)
 
 # probe patches of warp_rows: (marker that must occur once, replacement)
 _MATH_START = "                    u32 ca4[4], cb4[4], la4[4], lb4[4];\n"
-_LOOP_END = "                }\n            }\n        }\n        __syncwarp();\n    }\n    cp_async_wait<0>();"
+_LOOP_END = "                }\n            }\n        }\n        if (!SA) __syncwarp();\n    }\n    cp_async_wait<0>();"
 _NOMATH_BODY = """                    u32 xr = 0;
 #pragma unroll
                     for (int p = 0; p < Q; ++p) xr ^= wa[p] ^ wb[p];

@@ -78,6 +78,12 @@ def candidates(c13, c2, w2, names=None):
                 "sa_wk1_pf0": (replace(c13, shared_act=True, wk=1, l2_prefetch=0), replace(c2, shared_act=True, l2_prefetch=0)),
                 "sa_wk1_kb16": (replace(c13, shared_act=True, wk=1, ring_kb=16), replace(c2, shared_act=True, ring_kb=16)),
                 "sa_wk1_w2rt2": (replace(c13, shared_act=True, wk=1), replace(c2, shared_act=True, row_tiles=2, min_blocks=3)),
+                # on the default (shared_act): two mma chains per code word, a third ring stage, wider stages
+                "split": both(c13, c2, split_chains=True),
+                "sa3_kb12": both(c13, c2, sa_stages=3, ring_kb=12),
+                "sa3_kb12_mb3": both(c13, c2, sa_stages=3, ring_kb=12, min_blocks=3),
+                "sa3_kb12_split": both(c13, c2, sa_stages=3, ring_kb=12, split_chains=True),
+                "sa_sc8_kb16": both(c13, c2, stage_chunks=8, ring_kb=16, min_blocks=2),
             })
         kps = c2.k_per_split or w2.K
         for f in (2, 4):  # w2 cut into f times as many K slices (more blocks when there are few pairs)

@@ -206,9 +206,10 @@ def prefer_mma(num_tokens: int, topk: int, num_experts: int) -> bool:
 # one token, and for more tokens while the intermediate size is at least FOLD_MIN_INTERMEDIATE and the pairs per
 # expected expert hit stay <= FOLD_MAX_PAIRS_PER_EXPERT. Below that intermediate size w2 has too few chunks of K
 # to fill its ring and the MMA / LUT kernels are ahead (the kernels side by side: docs/results/kernel.md,
-# session 16: fold ahead at I = 768 and above, behind at Qwen3's TP-2 shard, I = 384).
+# session 16: fold behind at Qwen3's TP-2 shard, I = 384; with the block-shared activations, sessions 19-20: ahead
+# there too).
 FOLD_MAX_PAIRS_PER_EXPERT = 24.0
-FOLD_MIN_INTERMEDIATE = 768
+FOLD_MIN_INTERMEDIATE = 384
 
 
 def prefer_fold(num_tokens: int, topk: int, num_experts: int, intermediate: int) -> bool:

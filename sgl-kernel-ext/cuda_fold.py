@@ -68,7 +68,7 @@ W2_MIN_BLOCKS_AT_TWO_N_TILES = 3
 # pdl / nopdl, docs/results/kernel.md sessions 18-19), so every call takes it where the device has it.
 PDL_MIN_CAPABILITY = 9
 # shared_act: stages of the block's activation ring (the plane rings then run as many); the kernel's SA_STAGES
-SA_STAGES = 2
+SA_STAGES = (2, 3)
 MAX_SHARED_BYTES = 227 * 1024  # dynamic shared memory one block may take on sm_90
 
 
@@ -89,8 +89,12 @@ class FoldConfig:
     # planes before it waits for that kernel's outputs (w13's flag also covers the prep kernel)
     pdl: bool = False
     # the activations through a ring in shared memory that the warps sharing a K range fill together (each unit's
-    # activations leave L2 once per block, not once per warp), in lockstep: a block barrier per stage, two stages
+    # activations leave L2 once per block, not once per warp), in lockstep: a block barrier per stage
     shared_act: bool = False
+    sa_stages: int = 2  # shared_act: stages of the activation ring and the plane rings (2 or 3)
+    # q <= 4: the two mma of each code word accumulate into two registers sets (two dependent chains of half the length
+    # per chunk, summed at the group's end); q > 4 has two chains already (its high and low nibbles)
+    split_chains: bool = False
 
     def __post_init__(self) -> None:
         if self.stage_chunks not in (4, 8):
@@ -113,6 +117,8 @@ class FoldConfig:
             raise ValueError("direct (one pair per block) needs n_tiles 1")
         if not 1 <= self.min_blocks <= 16:
             raise ValueError(f"min_blocks must be in 1..16, got {self.min_blocks}")
+        if self.sa_stages not in SA_STAGES:
+            raise ValueError(f"sa_stages must be one of {SA_STAGES}, got {self.sa_stages}")
         if self.shared_act and self.direct:
             raise ValueError("shared_act needs blocks of 8 n_tiles slots (not direct: one pair has no activations to share)")
         if self.shared_bytes > MAX_SHARED_BYTES:
@@ -126,7 +132,7 @@ class FoldConfig:
 
     @property
     def shared_bytes(self) -> int:
-        act = self.wk * SA_STAGES * self.stage_chunks * self.n_tiles * CHUNK * 8 * 2 if self.shared_act else 0
+        act = self.wk * self.sa_stages * self.stage_chunks * self.n_tiles * CHUNK * 8 * 2 if self.shared_act else 0
         return NWARPS * self.ring_kb * 1024 + act
 
     @property
@@ -135,9 +141,16 @@ class FoldConfig:
 
     def min_ring_bytes(self, bits_max: int) -> int:
         """One ring stage of `bits_max` planes (the kernel halves 4-chunk stages to 2 where two would not fit); with
-        shared_act two such stages (the block steps through a ring of SA_STAGES)."""
+        shared_act `sa_stages` such stages (the block steps through a ring of that many)."""
         one = self.row_tiles * bits_max * 16 * 16 * (2 if self.stage_chunks == 4 else 8)
-        return SA_STAGES * one if self.shared_act else one
+        return self.sa_stages * one if self.shared_act else one
+
+    def check_ring(self, bits_max: int) -> None:
+        """Raises ValueError where each warp's ring cannot hold what the kernel streams at `bits_max` planes."""
+        if self.ring_kb * 1024 < self.min_ring_bytes(bits_max):
+            raise ValueError(f"stage_chunks={self.stage_chunks}, row_tiles={self.row_tiles} at bits_max={bits_max} needs "
+                             f"ring_kb >= {-(-self.min_ring_bytes(bits_max) // 1024)} "
+                             f"({self.sa_stages if self.shared_act else 1} stage(s) of {bits_max} planes), got {self.ring_kb}")
 
 
 def fold_unsupported(w: APMoEWeights) -> str | None:
@@ -170,7 +183,7 @@ def gemv_defines(mode: int, cfg: FoldConfig, bits_max: int, group_size: int, com
             f"-DOT={out}", f"-DWK={cfg.wk}", f"-DMINB={cfg.min_blocks}", f"-DDIRECT={int(cfg.direct)}",
             f"-DRING={cfg.ring_kb * 1024}", f"-DSC={cfg.stage_chunks}", f"-DSPD={cfg.scale_stages}", f"-DBPF={int(cfg.act_prefetch)}",
             f"-DL2PF={cfg.l2_prefetch}", f"-DRT={cfg.row_tiles}", f"-DPDL={int(cfg.pdl)}",
-            f"-DSA={int(cfg.shared_act)}"]
+            f"-DSA={int(cfg.shared_act)}", f"-DSAS={cfg.sa_stages}", f"-DSPLIT={int(cfg.split_chains)}"]
 
 
 def prep_defines(cfg: FoldConfig, group_size: int, compute: int, x_dtype: torch.dtype) -> list[str]:
@@ -254,10 +267,7 @@ def _gemv(mode: int, cfg: FoldConfig, w: APMoEWeights, compute: int, out_code: i
           grid: tuple[int, int, int], *, xf, xs, topk_weights, sorted_ids, expert_ids, post_pad, xf_out, xs_out,
           acc_out, out, counters, bias, num_pairs: int, topk: int, n_out: int, m_rows: int, k_per_split: int,
           row_index: int, apply_w_in: bool, g_out: int, xunit_per_pair: bool, has_bias: bool = False) -> None:
-    if cfg.ring_kb * 1024 < cfg.min_ring_bytes(w.bits_max):
-        raise ValueError(f"stage_chunks={cfg.stage_chunks}, row_tiles={cfg.row_tiles} at bits_max={w.bits_max} needs "
-                         f"ring_kb >= {-(-cfg.min_ring_bytes(w.bits_max) // 1024)} "
-                         f"({SA_STAGES if cfg.shared_act else 1} stage(s) of {w.bits_max} planes), got {cfg.ring_kb}")
+    cfg.check_ring(w.bits_max)
     kernel = _compiled(_SOURCE, "ap_fold_gemv", tuple(gemv_defines(mode, cfg, w.bits_max, w.group_size, compute, out_code)),
                        device.index or 0, cfg.shared_bytes)
     launch(kernel, grid, (32 * NWARPS, 1, 1), shared_mem=cfg.shared_bytes, pdl=cfg.pdl,

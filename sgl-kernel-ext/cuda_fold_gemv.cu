@@ -85,7 +85,13 @@
 #ifndef SA
 #define SA 0  // activations through a block-shared ring in shared memory (filled with cp.async by the warps that read it)
 #endif
-#define SA_STAGES 2  // SA: stages of the activation ring (and of the plane ring)
+#ifndef SAS
+#define SAS 2  // SA: stages of the activation ring (and of the plane ring): 2 or 3
+#endif
+#ifndef SPLIT
+#define SPLIT 0  // q <= 4: the two mma of each code word into two accumulator sets (chains of half the length)
+#endif
+#define SA_STAGES SAS
 #ifndef PDL
 #define PDL 0  // launched as a programmatic dependent of the kernel before it (cuda_common.cuh, pdl_wait)
 #endif
@@ -106,6 +112,9 @@
 #endif
 #if RT != 1 && RT != 2 && RT != 4
 #error "RT must be 1, 2 or 4"
+#endif
+#if SAS != 2 && SAS != 3
+#error "SAS must be 2 or 3"
 #endif
 #if SA && DIRECT
 #error "SA needs blocks of 8 NT slots (not DIRECT)"
@@ -167,8 +176,9 @@ __device__ __forceinline__ float2 ld_sum2(const float* p) { return __ldg((const 
 
 
 // the 8 codes of word j of rows g (va) and g + 8 (vb) times every n-tile's activations, into acc: two mma, the
-// code pairs (e0, e0 + 4) in slots (2t, 2t+1) and (e0 + 1, e0 + 5) in slots (2t+8, 2t+9), e0 = 0, 2
-__device__ __forceinline__ void mma_codes(float (*acc)[4], u32 va, u32 vb, const uint4 (*b)[4], int j) {
+// code pairs (e0, e0 + 4) in slots (2t, 2t+1) and (e0 + 1, e0 + 5) in slots (2t+8, 2t+9), e0 = 0, 2; e0 = 0 into
+// acc, e0 = 2 into acc2 (the same registers, or SPLIT a second set: two independent mma chains)
+__device__ __forceinline__ void mma_codes(float (*acc)[4], float (*acc2)[4], u32 va, u32 vb, const uint4 (*b)[4], int j) {
 #pragma unroll
     for (int e0 = 0; e0 < 4; e0 += 2) {
         const u32 a0 = code_pair(va, e0), a1 = code_pair(vb, e0);
@@ -176,7 +186,7 @@ __device__ __forceinline__ void mma_codes(float (*acc)[4], u32 va, u32 vb, const
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             const uint4 bv = b[nt][j];
-            mma16816(acc[nt], a0, a1, a2, a3, e0 == 0 ? bv.x : bv.z, e0 == 0 ? bv.y : bv.w);
+            mma16816(e0 == 0 ? acc[nt] : acc2[nt], a0, a1, a2, a3, e0 == 0 ? bv.x : bv.z, e0 == 0 ? bv.y : bv.w);
         }
     }
 }
@@ -289,9 +299,9 @@ template <int Q>
 __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, const float* xs, int n_table, int K,
                                           unsigned char* ring, u32 act_ring, const int* ra, const int* rb, int c_begin,
                                           int c_end, int span, float (*y)[NT][4]) {
-    // chunks per stage: SC, halved where two stages of RT tiles of Q planes would not fit the ring (5-8 bits, or
-    // more than one tile, in the 8 KB ring)
-    constexpr int SCQ = (SC == 4 && RING < 2 * Q * 1024 * RT) ? 2 : SC;
+    // chunks per stage: SC, halved where two stages (SA: SA_STAGES) of RT tiles of Q planes would not fit the ring
+    // (5-8 bits, or more than one tile, in the 8 KB ring)
+    constexpr int SCQ = (SC == 4 && RING < (SA ? SA_STAGES : 2) * Q * 1024 * RT) ? 2 : SC;
     constexpr int NP_HI = Q < 4 ? Q : 4;
     constexpr int NP_LO = Q > 4 ? Q - 4 : 0;
     constexpr int PLANE_BYTES = 16 * SCQ * 16;  // one plane of one tile and stage: 16 rows x SCQ chunks x 16 bytes
@@ -545,8 +555,8 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
                     }
 #pragma unroll
                     for (int j = 0; j < 4; ++j) {
-                        mma_codes(acc[r], ca4[j], cb4[j], b, j);
-                        if constexpr (NP_LO > 0) mma_codes(acc_lo[r], la4[j], lb4[j], b, j);
+                        mma_codes(acc[r], NP_LO == 0 && SPLIT ? acc_lo[r] : acc[r], ca4[j], cb4[j], b, j);
+                        if constexpr (NP_LO > 0) mma_codes(acc_lo[r], acc_lo[r], la4[j], lb4[j], b, j);
                     }
                     if (group_end) {
                         const int src_lane = g * 4 + (i & 3);  // the lane that read this group's (scale, offset)
@@ -561,7 +571,8 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
                             float v[4];
 #pragma unroll
                             for (int c2 = 0; c2 < 4; ++c2) {
-                                v[c2] = NP_LO > 0 ? fmaf(16.f, acc[r][nt][c2], acc_lo[r][nt][c2]) : acc[r][nt][c2];
+                                v[c2] = NP_LO > 0 ? fmaf(16.f, acc[r][nt][c2], acc_lo[r][nt][c2])
+                                        : SPLIT ? acc[r][nt][c2] + acc_lo[r][nt][c2] : acc[r][nt][c2];
                                 acc[r][nt][c2] = acc_lo[r][nt][c2] = 0.f;
                             }
                             y[r][nt][0] = fmaf(aa, v[0], fmaf(ba, S[nt].x, y[r][nt][0]));

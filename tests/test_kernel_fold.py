@@ -52,7 +52,8 @@ def test_every_variant_compiles_for_sm90(mode):
                 FoldConfig(1, wk=2, pdl=True), FoldConfig(2, row_tiles=2, pdl=True),
                 FoldConfig(1, shared_act=True, pdl=True), FoldConfig(2, wk=2, shared_act=True),
                 FoldConfig(1, wk=2, shared_act=True, ring_kb=32, stage_chunks=8),
-                FoldConfig(2, row_tiles=2, ring_kb=16, shared_act=True, pdl=True, min_blocks=3)):
+                FoldConfig(2, row_tiles=2, ring_kb=16, shared_act=True, pdl=True, min_blocks=3),
+                FoldConfig(1, shared_act=True, sa_stages=3, ring_kb=12, split_chains=True), FoldConfig(2, split_chains=True)):
         for bits_max, group, compute in ((8, 128, 0), (4, 256, 1)):
             jobs.append(functools.partial(compile_to_cubin, gemv_defines(mode, cfg, bits_max, group, compute, out=compute),
                                           "90"))
@@ -97,6 +98,14 @@ def test_shared_activations_size_their_ring_and_are_refused_where_they_do_not_ap
     assert FoldConfig(2, shared_act=True, stage_chunks=8, ring_kb=16).shared_bytes == 4 * 16384 + 2 * 8 * 2 * 2048
     assert FoldConfig(1, shared_act=True).min_ring_bytes(8) == 2 * FoldConfig(1).min_ring_bytes(8) == 8 * 1024
     assert "-DSA=1" in gemv_defines(1, FoldConfig(shared_act=True), 8, 128, 0)
+    three = FoldConfig(1, shared_act=True, sa_stages=3, ring_kb=12)
+    assert three.shared_bytes == 4 * 12 * 1024 + 3 * 4 * 2048 and three.min_ring_bytes(8) == 12 * 1024
+    assert "-DSAS=3" in gemv_defines(1, three, 8, 128, 0)
+    with pytest.raises(ValueError, match="sa_stages must be one of"):
+        FoldConfig(1, shared_act=True, sa_stages=4)
+    with pytest.raises(ValueError, match=r"ring_kb >= 12 \(3 stage\(s\) of 8 planes\)"):
+        FoldConfig(1, shared_act=True, sa_stages=3).check_ring(8)
+    FoldConfig(1, shared_act=True, sa_stages=3, ring_kb=12).check_ring(8)
     with pytest.raises(ValueError, match="shared_act needs blocks of 8 n_tiles slots"):
         FoldConfig(1, direct=True, shared_act=True)
     with pytest.raises(ValueError, match="more than the .* a block may have"):
@@ -217,7 +226,8 @@ def test_dispatch_rule():
     assert prefer_fold(1, 8, 128, 384) and prefer_fold(1, 2, 8, 14336)
     assert prefer_fold(4, 2, 8, 14336) and prefer_fold(64, 2, 8, 14336) and prefer_fold(64, 4, 60, 1408)
     assert prefer_fold(16, 8, 128, 768) and prefer_fold(64, 8, 128, 768)  # Qwen3-30B-A3B
-    assert not prefer_fold(4, 8, 128, 384) and not prefer_fold(64, 8, 128, 384)  # its TP-2 shard: MMA / LUT
+    assert prefer_fold(4, 8, 128, 384) and prefer_fold(64, 8, 128, 384)  # its TP-2 shard
+    assert not prefer_fold(16, 8, 128, 256)  # below FOLD_MIN_INTERMEDIATE: MMA / LUT
     assert not prefer_fold(256, 2, 8, 14336)  # 64 pairs per expert: the tiles / prefill path
 
 
@@ -372,6 +382,11 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
     layouts.append((FoldConfig(1, shared_act=True, stage_chunks=8, ring_kb=32), FoldConfig(1, shared_act=True, row_tiles=2, ring_kb=16)))
     layouts.append((FoldConfig(2, wk=2, shared_act=True, row_tiles=2, min_blocks=3),
                     FoldConfig(2, row_tiles=2, ring_kb=16, min_blocks=3, shared_act=True)))
+    # three ring stages; two mma chains per code word (q <= 4; q > 4 ignores it)
+    layouts.append((FoldConfig(1, shared_act=True, sa_stages=3, ring_kb=12),
+                    FoldConfig(2, k_per_split=128, shared_act=True, sa_stages=3, ring_kb=12, split_chains=True)))
+    layouts.append((FoldConfig(2, shared_act=True, split_chains=True), FoldConfig(1, k_per_split=256, split_chains=True)))
+    layouts.append((FoldConfig(1, direct=True, split_chains=True), FoldConfig(1, direct=True, split_chains=True)))
     for cfgs in layouts:
         out = ap_fused_moe_fold(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
         assert rel_err(out, ref) < 2e-2, cfgs
@@ -388,6 +403,9 @@ def test_moe_group_sizes_and_real_intermediate(group):
         x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
         ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
         assert rel_err(ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel="fold"), ref) < 2e-2
+        if m > 1:  # two mma chains summed at each group's end (a group of 256: two chunks per chain)
+            split = (FoldConfig(1, shared_act=True, split_chains=True), FoldConfig(1, shared_act=True, split_chains=True))
+            assert rel_err(ap_fused_moe_fold(x, tw, ids, p13.weights, p2.weights, configs=split), ref) < 2e-2
 
 
 @needs_cuda
