@@ -83,7 +83,13 @@ def candidates(c13, c2, w2, names=None):
                 "sa3_kb12": both(c13, c2, sa_stages=3, ring_kb=12),
                 "sa3_kb12_mb3": both(c13, c2, sa_stages=3, ring_kb=12, min_blocks=3),
                 "sa3_kb12_split": both(c13, c2, sa_stages=3, ring_kb=12, split_chains=True),
-                "sa_sc8_kb16": both(c13, c2, stage_chunks=8, ring_kb=16, min_blocks=2),
+                "sa_sc8_kb32": both(c13, c2, stage_chunks=8, ring_kb=32, min_blocks=1),
+                # two row tiles per warp under the ring (each activation stage feeds twice the rows; 16 KB rings)
+                "sa_rt2_kb16": both(c13, c2, row_tiles=2, ring_kb=16, min_blocks=2),
+                "sa_rt2_kb16_mb3": both(c13, c2, row_tiles=2, ring_kb=16, min_blocks=3),
+                "sa13_rt2_kb16": (replace(c13, row_tiles=2, ring_kb=16, min_blocks=2), c2),
+                "sa13_rt2_kb16_mb3": (replace(c13, row_tiles=2, ring_kb=16, min_blocks=3), c2),
+                "sa_rt4_kb32": both(c13, c2, row_tiles=4, ring_kb=32, min_blocks=1),
             })
         kps = c2.k_per_split or w2.K
         for f in (2, 4):  # w2 cut into f times as many K slices (more blocks when there are few pairs)

@@ -380,7 +380,7 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
     layouts.append((FoldConfig(1, wk=4, shared_act=True, pdl=True), FoldConfig(1, shared_act=True, pdl=True)))
     layouts.append((FoldConfig(2, shared_act=True), FoldConfig(2, k_per_split=256, shared_act=True, pdl=True)))
     layouts.append((FoldConfig(1, shared_act=True, stage_chunks=8, ring_kb=32), FoldConfig(1, shared_act=True, row_tiles=2, ring_kb=16)))
-    layouts.append((FoldConfig(2, wk=2, shared_act=True, row_tiles=2, min_blocks=3),
+    layouts.append((FoldConfig(2, wk=2, shared_act=True, row_tiles=2, ring_kb=16, min_blocks=3),
                     FoldConfig(2, row_tiles=2, ring_kb=16, min_blocks=3, shared_act=True)))
     # three ring stages; two mma chains per code word (q <= 4; q > 4 ignores it)
     layouts.append((FoldConfig(1, shared_act=True, sa_stages=3, ring_kb=12),
