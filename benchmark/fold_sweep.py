@@ -90,6 +90,13 @@ def candidates(c13, c2, w2, names=None):
                 "sa13_rt2_kb16": (replace(c13, row_tiles=2, ring_kb=16, min_blocks=2), c2),
                 "sa13_rt2_kb16_mb3": (replace(c13, row_tiles=2, ring_kb=16, min_blocks=3), c2),
                 "sa_rt4_kb32": both(c13, c2, row_tiles=4, ring_kb=32, min_blocks=1),
+                # 8 / 16 warps per block on one activation ring (the same 16 warps per SM; w2 at one row tile)
+                "w8": both(c13, c2, warps=8, min_blocks=2, row_tiles=1),
+                "w16": both(c13, c2, warps=16, min_blocks=1, row_tiles=1),
+                "w8_13": (replace(c13, warps=8, min_blocks=2), c2),
+                "w16_13": (replace(c13, warps=16, min_blocks=1), c2),
+                "w8_2": (c13, replace(c2, warps=8, min_blocks=2, row_tiles=1)),
+                "w16_2": (c13, replace(c2, warps=16, min_blocks=1, row_tiles=1)),
             })
         kps = c2.k_per_split or w2.K
         for f in (2, 4):  # w2 cut into f times as many K slices (more blocks when there are few pairs)

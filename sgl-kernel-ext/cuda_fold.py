@@ -29,7 +29,9 @@ from pagedweight.kernels.nvrtc import compile_cubin, launch, load_kernel
 from pagedweight.kernels.weights import APMoEWeights
 
 CHUNK = 128
-NWARPS = 4
+NWARPS = 4  # the default warps per block (FoldConfig.warps)
+WARPS = (4, 8, 16)
+MAX_WARPS_PER_SM = 64
 # Resident warps matter more than stages in flight: an 8 KB ring per warp (two stages at 4 bits) with registers
 # capped for 4 blocks (16 warps) per SM beat larger rings at fewer blocks, and w13 with its K split over 2 warps was
 # even or faster on every shape (benchmark/fold_sweep.py; docs/results/kernel.md, session 11).
@@ -95,6 +97,9 @@ class FoldConfig:
     # q <= 4: the two mma of each code word accumulate into two registers sets (two dependent chains of half the length
     # per chunk, summed at the group's end); q > 4 has two chains already (its high and low nibbles)
     split_chains: bool = False
+    # warps per block (4, 8 or 16); min_blocks counts blocks of this size. With shared_act every warp on a K range reads
+    # the same activation ring, so more warps per block read each stage's activations from L2 once for more rows
+    warps: int = NWARPS
 
     def __post_init__(self) -> None:
         if self.stage_chunks not in (4, 8):
@@ -117,6 +122,11 @@ class FoldConfig:
             raise ValueError("direct (one pair per block) needs n_tiles 1")
         if not 1 <= self.min_blocks <= 16:
             raise ValueError(f"min_blocks must be in 1..16, got {self.min_blocks}")
+        if self.warps not in WARPS:
+            raise ValueError(f"warps must be one of {WARPS}, got {self.warps}")
+        if self.warps * self.min_blocks > MAX_WARPS_PER_SM:
+            raise ValueError(f"min_blocks={self.min_blocks} blocks of {self.warps} warps exceed the {MAX_WARPS_PER_SM} "
+                             f"warps an SM holds")
         if self.sa_stages not in SA_STAGES:
             raise ValueError(f"sa_stages must be one of {SA_STAGES}, got {self.sa_stages}")
         if self.shared_act and self.direct:
@@ -133,11 +143,11 @@ class FoldConfig:
     @property
     def shared_bytes(self) -> int:
         act = self.wk * self.sa_stages * self.stage_chunks * self.n_tiles * CHUNK * 8 * 2 if self.shared_act else 0
-        return NWARPS * self.ring_kb * 1024 + act
+        return self.warps * self.ring_kb * 1024 + act
 
     @property
     def rows_per_block(self) -> int:  # A rows of one block (MODE 0: half are gate rows, half up rows)
-        return 16 * self.row_tiles * NWARPS // self.wk
+        return 16 * self.row_tiles * self.warps // self.wk
 
     def min_ring_bytes(self, bits_max: int) -> int:
         """One ring stage of `bits_max` planes (the kernel halves 4-chunk stages to 2 where two would not fit); with
@@ -183,7 +193,8 @@ def gemv_defines(mode: int, cfg: FoldConfig, bits_max: int, group_size: int, com
             f"-DOT={out}", f"-DWK={cfg.wk}", f"-DMINB={cfg.min_blocks}", f"-DDIRECT={int(cfg.direct)}",
             f"-DRING={cfg.ring_kb * 1024}", f"-DSC={cfg.stage_chunks}", f"-DSPD={cfg.scale_stages}", f"-DBPF={int(cfg.act_prefetch)}",
             f"-DL2PF={cfg.l2_prefetch}", f"-DRT={cfg.row_tiles}", f"-DPDL={int(cfg.pdl)}",
-            f"-DSA={int(cfg.shared_act)}", f"-DSAS={cfg.sa_stages}", f"-DSPLIT={int(cfg.split_chains)}"]
+            f"-DSA={int(cfg.shared_act)}", f"-DSAS={cfg.sa_stages}", f"-DSPLIT={int(cfg.split_chains)}",
+            f"-DNW={cfg.warps}"]
 
 
 def prep_defines(cfg: FoldConfig, group_size: int, compute: int, x_dtype: torch.dtype) -> list[str]:
@@ -270,7 +281,7 @@ def _gemv(mode: int, cfg: FoldConfig, w: APMoEWeights, compute: int, out_code: i
     cfg.check_ring(w.bits_max)
     kernel = _compiled(_SOURCE, "ap_fold_gemv", tuple(gemv_defines(mode, cfg, w.bits_max, w.group_size, compute, out_code)),
                        device.index or 0, cfg.shared_bytes)
-    launch(kernel, grid, (32 * NWARPS, 1, 1), shared_mem=cfg.shared_bytes, pdl=cfg.pdl,
+    launch(kernel, grid, (32 * cfg.warps, 1, 1), shared_mem=cfg.shared_bytes, pdl=cfg.pdl,
            args=[xf, xs, w.page_table, topk_weights, sorted_ids, expert_ids, post_pad, xf_out, xs_out, acc_out, out,
                  counters, bias, num_pairs, topk, n_out, w.N, w.K, m_rows, k_per_split, row_index, int(apply_w_in),
                  w.num_experts, w.page_table.stride(0), g_out, int(xunit_per_pair), int(has_bias)])

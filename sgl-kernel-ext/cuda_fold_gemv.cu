@@ -120,7 +120,13 @@
 #error "SA needs blocks of 8 NT slots (not DIRECT)"
 #endif
 
-#define NWARPS 4
+#ifndef NW
+#define NW 4  // warps per block (4, 8 or 16): under SA all of a K range's warps share its activation ring
+#endif
+#if NW != 4 && NW != 8 && NW != 16
+#error "NW must be 4, 8 or 16"
+#endif
+#define NWARPS NW
 #define WR (NWARPS / WK)  // row tiles per block
 #define SLOTS (DIRECT ? 1 : 8 * NT)
 #define CHUNK 128
@@ -313,7 +319,8 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     static_assert(DR >= 1, "RING must hold one stage of PMAX planes");
     static_assert(!SA || D == SA_STAGES, "SA needs the plane ring to hold SA_STAGES stages");
     constexpr int ACT_STAGE_BYTES = SCQ * UNIT_CHUNK_ELEMS * 2;  // one stage of the K range's activations
-    constexpr int ACT_PIECES = ACT_STAGE_BYTES / 16 / (WR * 32);  // 16-byte copies per lane and stage (SA)
+    constexpr int ACT_STAGE_PIECES = ACT_STAGE_BYTES / 16;  // 16-byte copies of one stage (SA)
+    constexpr int ACT_PIECES = (ACT_STAGE_PIECES + WR * 32 - 1) / (WR * 32);  // per lane (the last may be idle)
     const int nstages = (span + SCQ - 1) / SCQ;  // span: chunks from c_begin (SA: the same for every warp of the block)
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
@@ -384,6 +391,7 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
 #pragma unroll
             for (int j = 0; j < ACT_PIECES; ++j) {
                 const int piece = piece0 + j * WR * 32;
+                if (ACT_STAGE_PIECES % (WR * 32) != 0 && piece >= ACT_STAGE_PIECES) break;
                 const int i = piece / (UNIT_CHUNK_ELEMS / 8);  // chunk of the stage
                 const int c = max(0, min(c_begin + si * SCQ + i, c_end - 1));
                 cp_async16(base + (u32)piece * 16,

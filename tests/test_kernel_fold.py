@@ -21,6 +21,7 @@ from pagedweight.kernels import ap_fused_moe, ap_linear
 from pagedweight.kernels.config import prefer_fold
 from pagedweight.kernels.cuda_fold import (
     CHUNK,
+    DEFAULT_RING_KB,
     FoldConfig,
     ap_fused_moe_fold,
     ap_linear_fold,
@@ -53,7 +54,9 @@ def test_every_variant_compiles_for_sm90(mode):
                 FoldConfig(1, shared_act=True, pdl=True), FoldConfig(2, wk=2, shared_act=True),
                 FoldConfig(1, wk=2, shared_act=True, ring_kb=32, stage_chunks=8),
                 FoldConfig(2, row_tiles=2, ring_kb=16, shared_act=True, pdl=True, min_blocks=3),
-                FoldConfig(1, shared_act=True, sa_stages=3, ring_kb=12, split_chains=True), FoldConfig(2, split_chains=True)):
+                FoldConfig(1, shared_act=True, sa_stages=3, ring_kb=12, split_chains=True), FoldConfig(2, split_chains=True),
+                FoldConfig(1, shared_act=True, warps=8, min_blocks=2, pdl=True),
+                FoldConfig(2, shared_act=True, warps=16, min_blocks=1), FoldConfig(2, wk=2, warps=8, min_blocks=2)):
         for bits_max, group, compute in ((8, 128, 0), (4, 256, 1)):
             jobs.append(functools.partial(compile_to_cubin, gemv_defines(mode, cfg, bits_max, group, compute, out=compute),
                                           "90"))
@@ -112,6 +115,22 @@ def test_shared_activations_size_their_ring_and_are_refused_where_they_do_not_ap
         FoldConfig(2, wk=4, ring_kb=40, stage_chunks=8, shared_act=True)
     with pytest.raises(RuntimeError, match="SA needs blocks of 8 NT slots"):
         compile_to_cubin(gemv_defines(0, FoldConfig(1, direct=True), 8, 128, 0) + ["-DSA=1"], "90")
+
+
+def test_warps_per_block_size_the_block_rings_and_registers():
+    """warps=8 / 16: each warp keeps its ring, the block covers 2 / 4 times the rows, one activation ring per K range
+    serves them all; min_blocks counts blocks of that size and may not ask for more warps than an SM holds."""
+    four, eight = FoldConfig(2, shared_act=True), FoldConfig(2, shared_act=True, warps=8, min_blocks=2)
+    assert eight.rows_per_block == 2 * four.rows_per_block == 128
+    assert eight.shared_bytes - four.shared_bytes == 4 * DEFAULT_RING_KB * 1024  # four more plane rings, one act ring
+    assert FoldConfig(1, warps=16, min_blocks=1, wk=2).rows_per_block == 128
+    assert "-DNW=16" in gemv_defines(0, FoldConfig(1, warps=16, min_blocks=1), 4, 128, 0)
+    with pytest.raises(ValueError, match="warps must be one of"):
+        FoldConfig(warps=6)
+    with pytest.raises(ValueError, match="exceed the 64 warps an SM holds"):
+        FoldConfig(warps=16, min_blocks=5)
+    with pytest.raises(RuntimeError, match="NW must be 4, 8 or 16"):
+        compile_to_cubin(gemv_defines(1, FoldConfig(1), 4, 128, 0) + ["-DNW=2"], "90")
 
 
 def test_direct_layout_is_refused_where_it_does_not_apply():
@@ -387,6 +406,14 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
                     FoldConfig(2, k_per_split=128, shared_act=True, sa_stages=3, ring_kb=12, split_chains=True)))
     layouts.append((FoldConfig(2, shared_act=True, split_chains=True), FoldConfig(1, k_per_split=256, split_chains=True)))
     layouts.append((FoldConfig(1, direct=True, split_chains=True), FoldConfig(1, direct=True, split_chains=True)))
+    # 8 / 16 warps on one activation ring (a stage of 5-8 planes has fewer copies than a block of 16 warps has lanes;
+    # w13 blocks of 64 / 128 outputs past the end of the intermediate size)
+    layouts.append((FoldConfig(1, shared_act=True, warps=8, min_blocks=2, pdl=True),
+                    FoldConfig(2, k_per_split=256, shared_act=True, warps=16, min_blocks=1)))
+    layouts.append((FoldConfig(2, shared_act=True, warps=16, min_blocks=1),
+                    FoldConfig(1, shared_act=True, warps=8, min_blocks=2)))
+    layouts.append((FoldConfig(1, wk=2, shared_act=True, warps=16, min_blocks=1),
+                    FoldConfig(2, wk=2, shared_act=True, warps=8, min_blocks=2, pdl=True)))
     for cfgs in layouts:
         out = ap_fused_moe_fold(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
         assert rel_err(out, ref) < 2e-2, cfgs
