@@ -409,9 +409,9 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
     # 8 / 16 warps on one activation ring (a stage of 5-8 planes has fewer copies than a block of 16 warps has lanes;
     # w13 blocks of 64 / 128 outputs past the end of the intermediate size)
     layouts.append((FoldConfig(1, shared_act=True, warps=8, min_blocks=2, pdl=True),
-                    FoldConfig(2, k_per_split=256, shared_act=True, warps=16, min_blocks=1)))
+                    FoldConfig(1, k_per_split=256, shared_act=True, warps=16, min_blocks=1)))
     layouts.append((FoldConfig(2, shared_act=True, warps=16, min_blocks=1),
-                    FoldConfig(1, shared_act=True, warps=8, min_blocks=2)))
+                    FoldConfig(2, shared_act=True, warps=8, min_blocks=2)))
     layouts.append((FoldConfig(1, wk=2, shared_act=True, warps=16, min_blocks=1),
                     FoldConfig(2, wk=2, shared_act=True, warps=8, min_blocks=2, pdl=True)))
     for cfgs in layouts:
