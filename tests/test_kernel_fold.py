@@ -412,7 +412,7 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
                     FoldConfig(1, k_per_split=256, shared_act=True, warps=16, min_blocks=1)))
     layouts.append((FoldConfig(2, shared_act=True, warps=16, min_blocks=1),
                     FoldConfig(2, shared_act=True, warps=8, min_blocks=2)))
-    layouts.append((FoldConfig(1, wk=2, shared_act=True, warps=16, min_blocks=1),
+    layouts.append((FoldConfig(2, wk=2, shared_act=True, warps=16, min_blocks=1),
                     FoldConfig(2, wk=2, shared_act=True, warps=8, min_blocks=2, pdl=True)))
     for cfgs in layouts:
         out = ap_fused_moe_fold(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
