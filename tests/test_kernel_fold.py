@@ -403,8 +403,8 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
                     FoldConfig(2, row_tiles=2, ring_kb=16, min_blocks=3, shared_act=True)))
     # three ring stages; two mma chains per code word (q <= 4; q > 4 ignores it)
     layouts.append((FoldConfig(1, shared_act=True, sa_stages=3, ring_kb=12),
-                    FoldConfig(2, k_per_split=128, shared_act=True, sa_stages=3, ring_kb=12, split_chains=True)))
-    layouts.append((FoldConfig(2, shared_act=True, split_chains=True), FoldConfig(1, k_per_split=256, split_chains=True)))
+                    FoldConfig(1, k_per_split=128, shared_act=True, sa_stages=3, ring_kb=12, split_chains=True)))
+    layouts.append((FoldConfig(2, shared_act=True, split_chains=True), FoldConfig(2, k_per_split=256, split_chains=True)))
     layouts.append((FoldConfig(1, direct=True, split_chains=True), FoldConfig(1, direct=True, split_chains=True)))
     # 8 / 16 warps on one activation ring (a stage of 5-8 planes has fewer copies than a block of 16 warps has lanes;
     # w13 blocks of 64 / 128 outputs past the end of the intermediate size)
