@@ -356,30 +356,9 @@ def _layer(num_experts, hidden, inter, bits13, bits2, seed=0, group=128):
     return p13, p2
 
 
-@needs_cuda
-@pytest.mark.parametrize(
-    "num_experts,topk,m,pattern",
-    [(8, 2, 1, "random"), (8, 2, 4, "random"), (8, 1, 3, "one_expert"), (60, 4, 1, "random"),
-     (60, 4, 16, "random"), (16, 8, 5, "one_expert"), (8, 2, 40, "random"), (4, 2, 70, "one_expert")],
-)
-def test_moe_matches_reference(num_experts, topk, m, pattern):
-    hidden, inter = 640, 384  # w13: K = 640 (a partial ring stage); w2: K = 384 (three chunks)
-    bits13 = [1 + (e % 8) for e in range(num_experts)]  # every bitwidth 1..8, mixed in one launch
-    bits2 = [1 + ((e + 3) % 8) for e in range(num_experts)]
-    p13, p2 = _layer(num_experts, hidden, inter, bits13, bits2, seed=num_experts + m)
-    tw, ids = routing(m, num_experts, topk, pattern, seed=m)
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        x = torch.randn(m, hidden, device="cuda").to(dtype)
-        for apply_w_in in (False, True):
-            ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights,
-                                         apply_router_weight_on_input=apply_w_in)
-            out = ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel="fold",
-                               apply_router_weight_on_input=apply_w_in)
-            assert out.dtype == dtype and out.shape == (m, hidden)
-            assert rel_err(out, ref) < tol(dtype), (dtype, apply_w_in)
-    # every block layout, the K split of w13's warps, w2's K slices of one group
-    x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
-    ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
+def reference_layouts() -> list[tuple[FoldConfig, FoldConfig]]:
+    """(w13, w2) config pairs test_moe_matches_reference runs: every block layout, the K split of w13's warps, w2's K
+    slices of one group, row tiles, programmatic launches, the shared-activation ring and its options."""
     layouts = [(FoldConfig(nt, wk=wk), FoldConfig(nt, k_per_split=kps)) for nt in (1, 2) for wk, kps in
                ((1, 0), (2, 128), (4, 256))]
     layouts.append((FoldConfig(1, direct=True, wk=4), FoldConfig(1, direct=True, k_per_split=128)))
@@ -414,7 +393,41 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
                     FoldConfig(2, shared_act=True, warps=8, min_blocks=2)))
     layouts.append((FoldConfig(2, wk=2, shared_act=True, warps=16, min_blocks=1),
                     FoldConfig(2, wk=2, shared_act=True, warps=8, min_blocks=2, pdl=True)))
-    for cfgs in layouts:
+    return layouts
+
+
+def test_reference_layouts_share_one_block_layout():
+    """The launcher runs w13 and w2 over one alignment, so each pair the GPU reference test runs must agree on it."""
+    pairs = reference_layouts()
+    assert len(pairs) >= 20
+    for c13, c2 in pairs:
+        assert (c13.slots, c13.direct) == (c2.slots, c2.direct), (c13, c2)
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "num_experts,topk,m,pattern",
+    [(8, 2, 1, "random"), (8, 2, 4, "random"), (8, 1, 3, "one_expert"), (60, 4, 1, "random"),
+     (60, 4, 16, "random"), (16, 8, 5, "one_expert"), (8, 2, 40, "random"), (4, 2, 70, "one_expert")],
+)
+def test_moe_matches_reference(num_experts, topk, m, pattern):
+    hidden, inter = 640, 384  # w13: K = 640 (a partial ring stage); w2: K = 384 (three chunks)
+    bits13 = [1 + (e % 8) for e in range(num_experts)]  # every bitwidth 1..8, mixed in one launch
+    bits2 = [1 + ((e + 3) % 8) for e in range(num_experts)]
+    p13, p2 = _layer(num_experts, hidden, inter, bits13, bits2, seed=num_experts + m)
+    tw, ids = routing(m, num_experts, topk, pattern, seed=m)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randn(m, hidden, device="cuda").to(dtype)
+        for apply_w_in in (False, True):
+            ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights,
+                                         apply_router_weight_on_input=apply_w_in)
+            out = ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel="fold",
+                               apply_router_weight_on_input=apply_w_in)
+            assert out.dtype == dtype and out.shape == (m, hidden)
+            assert rel_err(out, ref) < tol(dtype), (dtype, apply_w_in)
+    x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+    ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
+    for cfgs in reference_layouts():
         out = ap_fused_moe_fold(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
         assert rel_err(out, ref) < 2e-2, cfgs
 
