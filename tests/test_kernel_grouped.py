@@ -34,8 +34,8 @@ from pagedweight.kernels.cuda_grouped import (
 )
 from pagedweight.kernels.reference import ap_fused_moe_reference
 from pagedweight.kernels.testing import random_ap_projection
-from tests.support.cuda_kernel_cases import (assert_cubins, check_graph_replay, compile_in_parallel, rel_err, routing,
-                                             sass_of, tol)
+from tests.support.cuda_kernel_cases import (assert_cubins, check_graph_replay, check_moe_dtypes,
+                                             compile_in_parallel, rel_err, routing, sass_of)
 from tests.test_kernel_fold import _codes_of
 
 HAS_CUDA = torch.cuda.is_available()
@@ -240,15 +240,7 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
         ids.fill_(1)
     else:
         tw, ids = routing(m, num_experts, topk, pattern, seed=m)
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        x = torch.randn(m, hidden, device="cuda").to(dtype)
-        for apply_w_in in (False, True):
-            ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights,
-                                         apply_router_weight_on_input=apply_w_in)
-            out = ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel="grouped",
-                               apply_router_weight_on_input=apply_w_in)
-            assert out.dtype == dtype and out.shape == (m, hidden)
-            assert rel_err(out, ref) < tol(dtype), (dtype, apply_w_in)
+    check_moe_dtypes(p13, p2, tw, ids, m, hidden, "grouped")
     x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
     ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
     for cfg in (GroupedConfig(1, 2), GroupedConfig(2, 3), GroupedConfig(2, 4), GroupedConfig(1, 3, wgmma=False),

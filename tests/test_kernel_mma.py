@@ -32,8 +32,8 @@ from pagedweight.kernels.cuda_mma import (
 )
 from pagedweight.kernels.reference import ap_fused_moe_reference, ap_linear_reference
 from pagedweight.kernels.testing import random_ap_projection
-from tests.support.cuda_kernel_cases import (assert_cubins, check_graph_replay, compile_in_parallel, rel_err, routing,
-                                             sass_of, tol)
+from tests.support.cuda_kernel_cases import (assert_cubins, check_graph_replay, check_moe_dtypes,
+                                             compile_in_parallel, rel_err, routing, sass_of, tol)
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the MMA kernel is CUDA only")
@@ -197,15 +197,7 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
     bits2 = [1 + ((e + 3) % 8) for e in range(num_experts)]
     p13, p2 = _layer(num_experts, hidden, inter, bits13, bits2, seed=num_experts + m)
     tw, ids = routing(m, num_experts, topk, pattern, seed=m)
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        x = torch.randn(m, hidden, device="cuda").to(dtype)
-        for apply_w_in in (False, True):
-            ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights,
-                                         apply_router_weight_on_input=apply_w_in)
-            out = ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel="mma",
-                               apply_router_weight_on_input=apply_w_in)
-            assert out.dtype == dtype and out.shape == (m, hidden)
-            assert rel_err(out, ref) < tol(dtype), (dtype, apply_w_in)
+    check_moe_dtypes(p13, p2, tw, ids, m, hidden, "mma")
     # every block layout (padding pairs inside a block) and K slices of one chunk
     x = torch.randn(m, hidden, device="cuda")
     ref = ap_fused_moe_reference(x, tw, ids, p13.weights, p2.weights)

@@ -53,6 +53,20 @@ def tol(dtype: torch.dtype) -> float:
     return 2e-2 if dtype == torch.bfloat16 else 5e-3
 
 
+def check_moe_dtypes(p13, p2, tw: torch.Tensor, ids: torch.Tensor, m: int, hidden: int, kernel: str) -> None:
+    """`ap_fused_moe(kernel=...)` against the fp32 reference for bf16, fp16 and fp32 activations, with the routing
+    weight applied after w2 and on the input: the output keeps the input's dtype and shape, within tol(dtype)."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randn(m, hidden, device="cuda").to(dtype)
+        for apply_w_in in (False, True):
+            ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights,
+                                         apply_router_weight_on_input=apply_w_in)
+            out = ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel=kernel,
+                               apply_router_weight_on_input=apply_w_in)
+            assert out.dtype == dtype and out.shape == (m, hidden)
+            assert rel_err(out, ref) < tol(dtype), (kernel, dtype, apply_w_in)
+
+
 def routing(m: int, num_experts: int, topk: int, pattern: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_weights, topk_ids) on CUDA: "random" distinct experts per token, or "one_expert" (slot 0 of every
     token -> the last expert; most experts get nothing)."""
