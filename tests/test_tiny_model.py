@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from pagedweight.cli import main as cli_main
 from pagedweight.tools.tiny_model import (
     EOS_TOKEN,
+    FUSED_EXPERT_ARCHS,
     IM_END,
     TINY_ARCHS,
     TinyMoESizes,
@@ -36,7 +37,8 @@ def _digest(directory: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
 
 
-@pytest.fixture(scope="module", params=TINY_ARCHS)
+# the families saved with per-expert names (Gemma-4 keeps its fused experts: tests/test_convert_gemma4.py)
+@pytest.fixture(scope="module", params=[a for a in TINY_ARCHS if a not in FUSED_EXPERT_ARCHS])
 def tiny(request, tmp_path_factory) -> tuple[str, Path]:
     arch = request.param
     return arch, make_tiny_moe(tmp_path_factory.mktemp(arch) / "model", arch, seed=0, sizes=SIZES)

@@ -45,6 +45,10 @@ class ArchAdapter:
     shared: re.Pattern | None  # groups: layer, proj name
     proj_names: dict[str, str]  # HF proj name -> gate/up/down
     num_experts_keys: tuple[str, ...]  # config keys that hold the routed expert count
+    # 3-D tensors holding every routed expert of a layer (groups: layer, "gate_up_proj" | "down_proj"), as Gemma-4
+    # checkpoints store them; the converter splits them into the per-expert names `routed` matches (format/fused_experts.py)
+    fused: re.Pattern | None = None
+    calibration: bool = True  # `convert --calib-text` can recompute this family's routing (SiLU experts, plain router)
 
     def classify(self, hf_name: str) -> BlockKey | None:
         """BlockKey of an expert linear weight name, None for every other tensor."""
@@ -58,10 +62,21 @@ class ArchAdapter:
         return None
 
     def num_experts(self, config: dict) -> int:
+        config = flat_config(config)
         for key in self.num_experts_keys:
             if isinstance(config.get(key), int):
                 return config[key]
         raise ValueError(f"config.json of this {self.model_type} model has none of {self.num_experts_keys}")
+
+
+def flat_config(config: dict) -> dict:
+    """A config dict with its `text_config` keys lifted to the top (top-level keys win), so that the decoder's
+    sizes of a multimodal checkpoint (Gemma-4's `gemma4`: the text model under `text_config`) read like a text
+    model's. A config without `text_config` comes back as it is."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        return config
+    return {**text, **{k: v for k, v in config.items() if k != "text_config"}}
 
 
 _QWEN_PROJS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
@@ -75,6 +90,23 @@ def _mlp_experts(model_type: str, shared: str | None, num_experts_keys: tuple[st
     if shared is not None:
         shared_re = re.compile(rf"model\.layers\.(\d+)\.mlp\.{shared}\.(gate_proj|up_proj|down_proj)\.weight")
     return ArchAdapter(model_type, re.compile(_QWEN_EXPERTS), shared_re, _QWEN_PROJS, num_experts_keys)
+
+
+def _gemma4(model_type: str, layers: str) -> ArchAdapter:
+    """Gemma-4 MoE (`layers`: the decoder layers' name prefix): each layer runs a dense GELU MLP (`mlp.*`, kept as
+    the shared expert) beside the routed experts, which the checkpoint stores fused as `experts.gate_up_proj`
+    [E, 2I, H] (gate rows first) and `experts.down_proj` [E, H, I]; the router (`router.proj`, `router.scale`,
+    `router.per_expert_scale`) stays dense. Per-expert names (`experts.E.gate_proj.weight`) are read too."""
+    projs = r"(gate_proj|up_proj|down_proj)"
+    return ArchAdapter(
+        model_type,
+        re.compile(rf"{layers}\.(\d+)\.experts\.(\d+)\.{projs}\.weight"),
+        re.compile(rf"{layers}\.(\d+)\.mlp\.{projs}\.weight"),
+        _QWEN_PROJS,
+        ("num_experts",),
+        fused=re.compile(rf"{layers}\.(\d+)\.experts\.(gate_up_proj|down_proj)"),
+        calibration=False,
+    )
 
 
 ADAPTERS: dict[str, ArchAdapter] = {
@@ -91,6 +123,10 @@ ADAPTERS: dict[str, ArchAdapter] = {
     # DeepSeek-V3: V2's names (its router's e_score_correction_bias is dense); the multi-token-prediction layers past
     # num_hidden_layers (num_nextn_predict_layers) are SGLang's NextN draft, not the served model: kept as they are
     "deepseek_v3": _mlp_experts("deepseek_v3", "shared_experts", ("n_routed_experts",)),
+    # Gemma-4 MoE (e.g. Gemma-4-26B-A4B): the multimodal checkpoint (`gemma4`, decoder under model.language_model),
+    # and a text-only one (`gemma4_text`, Gemma4ForCausalLM); vision / audio towers are dense and copied as they are
+    "gemma4": _gemma4("gemma4", r"model\.language_model\.layers"),
+    "gemma4_text": _gemma4("gemma4_text", r"model\.layers"),
     "mixtral": ArchAdapter(
         "mixtral",
         re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight"),
@@ -120,7 +156,7 @@ def draft_layer_of(name: str, config: dict) -> int | None:
     m = _LAYER_INDEX.match(name)
     if not extra or m is None:
         return None
-    layer, first = int(m.group(1)), int(config.get("num_hidden_layers", 0))
+    layer, first = int(m.group(1)), int(flat_config(config).get("num_hidden_layers", 0))
     return layer if first <= layer < first + int(extra) else None
 
 

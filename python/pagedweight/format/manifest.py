@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedweight.format.arch import SHARED, BlockKey, adapter_for
+from pagedweight.format.arch import SHARED, BlockKey, adapter_for, flat_config
 from pagedweight.format.layout import TABLE_KINDS
 
 FORMAT_NAME = "pagedweight-ap"
@@ -48,8 +48,8 @@ _DEFAULTS = {"decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 def shape_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The canonical shape-fixing subset of a HF config dict."""
-    flat = dict(config)
+    """The canonical shape-fixing subset of a HF config dict (a multimodal config's text_config read as its own)."""
+    flat = dict(flat_config(config))
     for alias, key in _ALIASES.items():
         if flat.get(key) is None and flat.get(alias) is not None:
             flat[key] = flat[alias]
@@ -80,12 +80,13 @@ class ModelInfo:
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelInfo:
         adapter = adapter_for(config)
+        flat = flat_config(config)
         return cls(
             architectures=list(config.get("architectures") or []),
             model_type=config["model_type"],
-            num_hidden_layers=int(config["num_hidden_layers"]),
+            num_hidden_layers=int(flat["num_hidden_layers"]),
             num_experts=adapter.num_experts(config),
-            hidden_size=int(config["hidden_size"]),
+            hidden_size=int(flat["hidden_size"]),
             config_sha256=config_sha256(config),
             shape_config=shape_config(config),
         )

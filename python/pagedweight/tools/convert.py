@@ -25,7 +25,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from pagedweight.format.arch import (DENSE_LINEAR, EXPERT_NAME_HINTS, PROJS, SHARED, ArchAdapter, BlockKey, adapter_for,
-                                     block_name, draft_layer_of)
+                                     block_name, draft_layer_of, flat_config)
+from pagedweight.format.fused_experts import FusedSlice, split_fused
 from pagedweight.format.bcq import BCQ_INITS
 from pagedweight.format.checkpoint import APCheckpointWriter
 from pagedweight.format.layout import DEFAULT_TABLE_KIND, TABLE_KINDS, is_grouped
@@ -103,6 +104,9 @@ class SourceModel:
     fmt: SourceFormat = SourceFormat()
     scales: dict[str, str] = field(default_factory=dict)  # FP8 block sources: weight name -> its scale's name
     draft_layers: set[int] = field(default_factory=set)  # multi-token-prediction layers, copied as they are
+    # per-expert names of the experts stored in fused 3-D tensors (Gemma-4) -> where each lies in its tensor
+    fused: dict[str, FusedSlice] = field(default_factory=dict)
+    fused_of: dict[str, list[str]] = field(default_factory=dict)  # fused tensor name -> its per-expert names, in order
 
     @classmethod
     def scan(cls, model_dir: str | Path) -> SourceModel:
@@ -144,7 +148,7 @@ class SourceModel:
 
     def _classify(self) -> None:
         unknown = []
-        for name in self.shard_of:
+        for name in list(self.shard_of):
             if name.endswith(SCALE_SUFFIX):
                 weight = name.removesuffix(SCALE_SUFFIX)
                 if self.fmt.kind != "fp8_block":
@@ -159,6 +163,8 @@ class SourceModel:
             draft = draft_layer_of(name, self.config)
             if draft is not None:  # SGLang's NextN draft reads these from the output model; nothing is paged
                 self.draft_layers.add(draft)
+                continue
+            if self._split_fused(name):
                 continue
             key = self.adapter.classify(name)
             if key is not None:
@@ -180,9 +186,30 @@ class SourceModel:
             )
         self._check_complete()
 
+    def _split_fused(self, name: str) -> bool:
+        """Record the experts of a fused 3-D expert tensor under their per-expert names; False for any other tensor."""
+        if self.adapter.fused is None or not self.adapter.fused.fullmatch(name):
+            return False
+        if name + SCALE_SUFFIX in self.shard_of:
+            raise ConversionError(f"{name}: FP8 block scales on fused 3-D expert tensors are not supported; convert the bf16 checkpoint")
+        with safe_open(str(self.shard_of[name]), framework="pt") as f:
+            shape = list(f.get_slice(name).get_shape())
+        try:
+            parts = split_fused(self.adapter, name, shape, self.adapter.num_experts(self.config))
+        except ValueError as exc:
+            raise ConversionError(f"{self.model_dir}: {exc}") from exc
+        for per_expert, (where, key) in parts.items():
+            if per_expert in self.shard_of:
+                raise ConversionError(f"{self.model_dir}: {per_expert!r} is stored both on its own and inside {name!r}")
+            self.fused[per_expert] = where
+            self.shard_of[per_expert] = self.shard_of[name]
+            self.experts[per_expert] = key
+        self.fused_of[name] = list(parts)
+        return True
+
     def _check_complete(self) -> None:
         num_experts = self.adapter.num_experts(self.config)
-        num_layers = int(self.config.get("num_hidden_layers", 0))
+        num_layers = int(flat_config(self.config).get("num_hidden_layers", 0))
         present = set(self.experts.values())
         for layer in sorted({k.layer for k in present}):
             if layer >= num_layers:
@@ -226,9 +253,11 @@ def _model_dtype(config: dict[str, Any]) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2 else torch.bfloat16
 
 
-def _read_weight(f, name: str, scale: tuple[Path, str] | None, fmt: SourceFormat) -> torch.Tensor:
-    """A weight in float32 from the open shard `f`, dequantized with its FP8 block scale when it has one."""
-    weight = f.get_tensor(name)
+def _read_weight(f, name: str, scale: tuple[Path, str] | None, fmt: SourceFormat,
+                 fused: FusedSlice | None = None) -> torch.Tensor:
+    """A weight in float32 from the open shard `f` (one expert's slice of a fused tensor when `fused` says where),
+    dequantized with its FP8 block scale when it has one."""
+    weight = fused.read(f) if fused is not None else f.get_tensor(name)
     if scale is None:
         return weight.float()
     shard, scale_name = scale
@@ -251,6 +280,11 @@ def _router_name(source: SourceModel, layer: int) -> str:
 def _calibrate(source: SourceModel, opts: ConvertOptions):
     from pagedweight.format.hessian import HessianStats, collect_moe_inputs, expert_hessians
 
+    if not source.adapter.calibration:
+        raise ConversionError(
+            f"--calib-text: calibration does not cover {source.adapter.model_type} yet (its experts are not SiLU-gated "
+            "or its router is not a plain linear); convert without --calib-text (uniform weights)"
+        )
     act = source.config.get("hidden_act", "silu")
     if act != "silu":
         raise ConversionError(f"calibration assumes SiLU-gated experts, the model uses hidden_act={act!r}")
@@ -326,16 +360,24 @@ def _check_expert_shapes(source: SourceModel, opts: ConvertOptions) -> None:
                         f"{name}: float8 weights without a {name}{SCALE_SUFFIX} block scale; the converter reads FP8 "
                         "only as block-quantized weights (quantization_config quant_method fp8 + weight_block_size)"
                     )
+                if name in source.fused_of:  # a fused 3-D tensor: the shapes of the blocks it holds
+                    for per_expert in source.fused_of[name]:
+                        _check_block_shape(per_expert, list(source.fused[per_expert].shape), opts)
+                    continue
                 if name not in source.experts and not (opts.dense_linears and name in source.dense):
                     continue
-                shape = f.get_slice(name).get_shape()
-                if len(shape) != 2 or shape[1] % 8:
-                    raise ConversionError(f"{name}: shape {shape}; AP blocks need 2-D weights with in_features % 8 == 0")
-                if is_grouped(opts.table_kind):
-                    try:
-                        effective_group_size(shape[1], opts.group_size)
-                    except ValueError as exc:
-                        raise ConversionError(f"{name}: {exc}") from exc
+                _check_block_shape(name, f.get_slice(name).get_shape(), opts)
+
+
+def _check_block_shape(name: str, shape: list[int], opts: ConvertOptions) -> None:
+    """One block's weight: 2-D, K % 8 == 0, K divisible into groups (bcq / ubcq)."""
+    if len(shape) != 2 or shape[1] % 8:
+        raise ConversionError(f"{name}: shape {shape}; AP blocks need 2-D weights with in_features % 8 == 0")
+    if is_grouped(opts.table_kind):
+        try:
+            effective_group_size(shape[1], opts.group_size)
+        except ValueError as exc:
+            raise ConversionError(f"{name}: {exc}") from exc
 
 
 def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, **options: Any) -> Path:
@@ -375,12 +417,12 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, **options: An
     return out
 
 
-def _quantize_one(shard: Path, name: str, scale: tuple[Path, str] | None, fmt: SourceFormat,
+def _quantize_one(shard: Path, name: str, scale: tuple[Path, str] | None, fused: FusedSlice | None, fmt: SourceFormat,
                   hessian: torch.Tensor | None, kind: str, bits_min: int, bits_max: int, group_size: int, bcq_init: str):
-    """Read one expert weight from its shard (dequantizing an FP8 block source) and quantize it:
-    (QuantizedBlock, sum of squared weights)."""
+    """Read one expert weight from its shard (one slice of a fused tensor; dequantizing an FP8 block source) and
+    quantize it: (QuantizedBlock, sum of squared weights)."""
     with safe_open(str(shard), framework="pt") as f:
-        weight = _read_weight(f, name, scale, fmt)
+        weight = _read_weight(f, name, scale, fmt, fused)
     block = quantize_block(weight, kind, bits_min, bits_max, group_size, hessian, bcq_init)
     return block, float(weight.double().square().sum())
 
@@ -397,7 +439,7 @@ def _block_quantizer(opts: ConvertOptions, source: SourceModel):
     args = (opts.table_kind, opts.bits_min, opts.bits_max, opts.group_size, opts.bcq_init)
     fmt = source.fmt
     if opts.workers == 1:
-        yield lambda shard, jobs: (_quantize_one(shard, name, source.scale_ref(name), fmt, hessian, *args)
+        yield lambda shard, jobs: (_quantize_one(shard, name, source.scale_ref(name), source.fused.get(name), fmt, hessian, *args)
                                    for name, _, hessian in jobs)
         return
     import multiprocessing
@@ -407,7 +449,8 @@ def _block_quantizer(opts: ConvertOptions, source: SourceModel):
     with ProcessPoolExecutor(opts.workers, mp_context=multiprocessing.get_context("spawn"),
                              initializer=_pool_worker_init) as pool:
         def quantize(shard: Path, jobs: list):
-            futures = [pool.submit(_quantize_one, shard, name, source.scale_ref(name), fmt, hessian, *args)
+            futures = [pool.submit(_quantize_one, shard, name, source.scale_ref(name), source.fused.get(name), fmt, hessian,
+                                   *args)
                        for name, _, hessian in jobs]
             return (future.result() for future in futures)
 
@@ -454,6 +497,9 @@ def _convert_into(source: SourceModel, partial: Path, opts: ConvertOptions) -> N
             with safe_open(str(shard), framework="pt") as f:
                 for name in sorted(f.keys()):
                     if name.endswith(SCALE_SUFFIX):  # FP8 block scales: the output stores dequantized weights
+                        continue
+                    if name in source.fused_of:  # routed experts only: quantized per expert, not kept in the model
+                        jobs += [(e, source.experts[e], None) for e in source.fused_of[name]]
                         continue
                     key = source.experts.get(name)
                     if name in dense_names:

@@ -1,4 +1,5 @@
-"""Tiny random-weight MoE checkpoints (Qwen2-MoE, Mixtral, Qwen3-MoE, OLMoE) for tests and smoke runs.
+"""Tiny random-weight MoE checkpoints (Qwen2-MoE, Mixtral, Qwen3-MoE, OLMoE, GLM-4.5, DeepSeek-V2, Gemma-4) for tests
+and smoke runs.
 
 `make_tiny_moe` writes a complete Hugging Face model directory that SGLang 0.5.17 can serve:
 config.json + generation_config.json, model.safetensors with the classic per-expert tensor names
@@ -7,7 +8,8 @@ byte-level BPE tokenizer trained on built-in English text, saved as a fast token
 
 Transformers 5 keeps experts fused in memory (`experts.gate_up_proj` [E, 2I, H]) and un-fuses them on
 save; `_ensure_per_expert_names` checks the file and splits any fused tensor itself, so the output does not
-depend on that behaviour of the installed transformers version.
+depend on that behaviour of the installed transformers version. Gemma-4 is the exception: its released checkpoints
+store the experts fused, and so does its tiny one (tools/tiny_gemma4.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-TINY_ARCHS: tuple[str, ...] = ("qwen2_moe", "mixtral", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v2")
+TINY_ARCHS: tuple[str, ...] = ("qwen2_moe", "mixtral", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v2", "gemma4")
+# families whose checkpoints keep the fused 3-D expert tensors (the converter splits them)
+FUSED_EXPERT_ARCHS: tuple[str, ...] = ("gemma4",)
 
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
@@ -69,7 +73,7 @@ class TinyMoESizes:
     num_experts: int = 8
     top_k: int = 2
     moe_intermediate_size: int = 64
-    shared_expert_intermediate_size: int = 128  # qwen2_moe's shared expert; glm4_moe's dense first layer
+    shared_expert_intermediate_size: int = 128  # qwen2_moe's shared expert; glm4_moe's dense first layer; gemma4's MLP
     vocab_size: int = 512
     max_position_embeddings: int = 4096
 
@@ -177,6 +181,10 @@ def _hf_config(arch: str, sizes: TinyMoESizes, dtype: str):
         )
         config.moe_layer_freq = 1  # keys of the released config.json that SGLang's deepseek_v2.py reads
         config.scoring_func = "softmax"
+    elif arch == "gemma4":
+        from pagedweight.tools.tiny_gemma4 import gemma4_config
+
+        return gemma4_config(sizes, dtype)
     elif arch == "mixtral":
         config = transformers.MixtralConfig(
             **common,
@@ -305,6 +313,7 @@ def make_tiny_moe(
         "olmoe": transformers.OlmoeForCausalLM,
         "glm4_moe": transformers.Glm4MoeForCausalLM,
         "deepseek_v2": transformers.DeepseekV2ForCausalLM,
+        "gemma4": transformers.Gemma4ForConditionalGeneration,
     }[arch]
     # Seed the global RNG only inside a fork so the caller's RNG state is left alone.
     with torch.random.fork_rng(devices=[]):
@@ -315,7 +324,8 @@ def make_tiny_moe(
     weights = sorted(out.glob("*.safetensors"))
     if len(weights) != 1:
         raise RuntimeError(f"expected one model.safetensors in {out}, found {[p.name for p in weights]}")
-    _ensure_per_expert_names(weights[0], arch)
+    if arch not in FUSED_EXPERT_ARCHS:
+        _ensure_per_expert_names(weights[0], arch)
     write_tokenizer(out, sizes.vocab_size, sizes.max_position_embeddings)
     # Chat turns end with <|im_end|>, plain completions with </s>: both stop generation.
     generation_config_path = out / "generation_config.json"
