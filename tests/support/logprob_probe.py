@@ -21,8 +21,9 @@ PROBE_DEVICE = os.environ.get("PW_PROBE_DEVICE", "cpu")
 _CPU_ENGINE_ENV = ("SGLANG_USE_CPU_ENGINE", "TRITON_INTERPRET", "LD_LIBRARY_PATH")
 
 
-def distributions(model_dir, engine_kwargs: dict, env: dict[str, str], prompt: str) -> list[list[float]]:
-    """Next-token log-distributions at every prompt position, from an Engine in a subprocess."""
+def distributions(model_dir, engine_kwargs: dict, env: dict[str, str], prompt: str, log_path=None) -> list[list[float]]:
+    """Next-token log-distributions at every prompt position, from an Engine in a subprocess (its log, the
+    engine's stderr, written to `log_path` when given)."""
     env = dict(env)
     if PROBE_DEVICE != "cpu":
         for key in _CPU_ENGINE_ENV:
@@ -38,6 +39,8 @@ def distributions(model_dir, engine_kwargs: dict, env: dict[str, str], prompt: s
         text=True,
         timeout=600,
     )
+    if log_path is not None:
+        Path(log_path).write_text(r.stderr)
     assert r.returncode == 0, f"engine probe failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     return json.loads(r.stdout.strip().splitlines()[-1])["logprobs"]
 
@@ -56,9 +59,9 @@ def main() -> None:
     import sglang as sgl
     from transformers import AutoConfig
 
-    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    vocab = AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size  # multimodal configs nest it
     on_gpu = PROBE_DEVICE != "cpu"
-    engine = sgl.Engine(
+    defaults = dict(
         model_path=model_dir,
         device=PROBE_DEVICE,
         attention_backend="triton" if on_gpu else "torch_native",
@@ -68,8 +71,8 @@ def main() -> None:
         max_total_tokens=2048,
         mem_fraction_static=0.2 if on_gpu else 0.5,
         skip_server_warmup=True,
-        **engine_kwargs,
     )
+    engine = sgl.Engine(**{**defaults, **engine_kwargs})  # a test may override a default (Gemma-4: triton attention)
     try:
         out = engine.generate(
             prompt=prompt,

@@ -294,7 +294,12 @@ def head_of_line_demand_tokens(scheduler: Any) -> int:
 
 
 def _kv_bytes_per_token(kv_cache: Any) -> int:
-    """Bytes one token occupies across every layer's K and V buffers of SGLang's KV pool."""
+    """Bytes one token occupies across every layer's K and V buffers of SGLang's KV pool. A hybrid sliding-window
+    pool (SWAKVPool: Gemma-4) writes every new token into both its full-attention and its sliding-window pools, so
+    its token costs the sum of theirs."""
+    parts = [getattr(kv_cache, name, None) for name in ("full_kv_pool", "swa_kv_pool")]
+    if all(part is not None for part in parts):
+        return sum(_kv_bytes_per_token(part) for part in parts)
     total = 0
     for name in ("k_buffer", "v_buffer", "kv_buffer"):
         bufs = getattr(kv_cache, name, None)
