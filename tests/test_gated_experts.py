@@ -76,3 +76,13 @@ def test_unknown_activation_is_refused(layer):
     x, weights, ids, w13, w2, _ = layer
     with pytest.raises(ValueError, match="gate activations .*got 'relu2'"):
         ap_gated_moe_per_expert(x, weights, ids, w13, w2, activation="relu2")
+
+
+def test_cuda_graph_capture_is_refused_with_the_fix(layer, monkeypatch):
+    """Inside a CUDA-graph capture the per-expert path would freeze one step's expert set (it reads the used experts
+    back to the host): it refuses in one line that names --disable-cuda-graph."""
+    x, weights, ids, w13, w2, _ = layer
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="^PagedWeight error: gelu-gated .*--disable-cuda-graph$"):
+        ap_gated_moe_per_expert(x, weights, ids, w13, w2, activation="gelu")

@@ -38,6 +38,10 @@ def ap_gated_moe_per_expert(
 
     if activation not in GATE_ACTIVATIONS:
         raise ValueError(f"AP experts take the gate activations {sorted(GATE_ACTIVATIONS)}, got {activation!r}")
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        # the used experts are read back to the host (torch.unique): a graph would replay one step's expert set
+        raise RuntimeError(f"PagedWeight error: {activation}-gated AP experts run expert by expert and cannot be captured "
+                           "in a CUDA graph yet; start the server with --disable-cuda-graph")
     act = GATE_ACTIVATIONS[activation]
     inter = w2.K
     ids = topk_ids.long()
