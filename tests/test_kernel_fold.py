@@ -35,8 +35,9 @@ from pagedweight.kernels.cuda_fold import (
 from pagedweight.kernels.reference import ap_fused_moe_reference, ap_linear_reference
 from pagedweight.kernels.testing import random_ap_projection
 from pagedweight.kernels.weights import PT_TABLE
-from tests.support.cuda_kernel_cases import (assert_cubins, check_graph_replay, check_moe_dtypes,
-                                             compile_in_parallel, rel_err, routing, sass_of, tol)
+from tests.support.cuda_kernel_cases import (MOE_REFERENCE_CASES, assert_cubins, check_graph_replay,
+                                             check_moe_dtypes, compile_in_parallel, mixed_bits, rel_err, routing,
+                                             sass_of, tol)
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the fold kernel is CUDA only")
@@ -405,15 +406,10 @@ def test_reference_layouts_share_one_block_layout():
 
 
 @needs_cuda
-@pytest.mark.parametrize(
-    "num_experts,topk,m,pattern",
-    [(8, 2, 1, "random"), (8, 2, 4, "random"), (8, 1, 3, "one_expert"), (60, 4, 1, "random"),
-     (60, 4, 16, "random"), (16, 8, 5, "one_expert"), (8, 2, 40, "random"), (4, 2, 70, "one_expert")],
-)
+@pytest.mark.parametrize("num_experts,topk,m,pattern", MOE_REFERENCE_CASES)
 def test_moe_matches_reference(num_experts, topk, m, pattern):
     hidden, inter = 640, 384  # w13: K = 640 (a partial ring stage); w2: K = 384 (three chunks)
-    bits13 = [1 + (e % 8) for e in range(num_experts)]  # every bitwidth 1..8, mixed in one launch
-    bits2 = [1 + ((e + 3) % 8) for e in range(num_experts)]
+    bits13, bits2 = mixed_bits(num_experts)
     p13, p2 = _layer(num_experts, hidden, inter, bits13, bits2, seed=num_experts + m)
     tw, ids = routing(m, num_experts, topk, pattern, seed=m)
     check_moe_dtypes(p13, p2, tw, ids, m, hidden, "fold")

@@ -53,6 +53,17 @@ def tol(dtype: torch.dtype) -> float:
     return 2e-2 if dtype == torch.bfloat16 else 5e-3
 
 
+# (experts, top-k, tokens, routing pattern) of the MoE reference tests: one token, a few, one expert taking all, 60
+# experts at top 4, top 8, and more pairs than a block of slots
+MOE_REFERENCE_CASES = [(8, 2, 1, "random"), (8, 2, 4, "random"), (8, 1, 3, "one_expert"), (60, 4, 1, "random"),
+                       (60, 4, 16, "random"), (16, 8, 5, "one_expert"), (8, 2, 40, "random"), (4, 2, 70, "one_expert")]
+
+
+def mixed_bits(num_experts: int) -> tuple[list[int], list[int]]:
+    """Per-expert bitwidths of w13 and w2 cycling through every bitwidth 1..8 (offset by 3), mixed in one launch."""
+    return [1 + (e % 8) for e in range(num_experts)], [1 + ((e + 3) % 8) for e in range(num_experts)]
+
+
 def check_moe_dtypes(p13, p2, tw: torch.Tensor, ids: torch.Tensor, m: int, hidden: int, kernel: str) -> None:
     """`ap_fused_moe(kernel=...)` against the fp32 reference for bf16, fp16 and fp32 activations, with the routing
     weight applied after w2 and on the input: the output keeps the input's dtype and shape, within tol(dtype)."""
