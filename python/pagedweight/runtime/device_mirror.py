@@ -1,10 +1,11 @@
 """Writes the device page table the MoE kernel reads from the rows of the WeightPageTable.
 
-Contract with pagedweight.kernels (one int64 tensor per MoE layer and projection, shape [E, 2 + P],
-P = bits_max): row e = [q_e, table_addr_e, plane_addr_e_0, ..., plane_addr_e_{P-1}], where table_addr_e is
-the address of the table for bitwidth q_e and plane_addr_e_p the address of plane p for p < q_e, 0 for
-planes the kernel must not read. The tensors belong to the expert store and never move (CUDA graphs
-captured their addresses); this class only rewrites their contents.
+The row layout is the kernels' (pagedweight.kernels.weights, sgl-kernel-ext/weights.py: one int64 tensor per
+MoE layer and projection, row e = [q_e, table_addr_e, plane_addr_e_0, ..., plane_addr_e_{P-1}] at the columns
+PT_BITS, PT_TABLE, PT_PLANES + p, P = bits_max); here table_addr_e is the arena address of the table for
+bitwidth q_e and plane_addr_e_p the address of plane p for p < q_e, 0 for planes the kernel must not read.
+The tensors belong to the expert store and never move (CUDA graphs captured their addresses); this class
+only rewrites their contents.
 
 `flush()` is called at a safe scheduler boundary with the forward stream current: every staged row is
 written there, in one batched copy per (layer, proj) tensor, so forward k reads the old rows and forward
@@ -19,6 +20,14 @@ import torch
 
 from pagedweight.runtime.blocks import Proj
 from pagedweight.runtime.page_table import WeightPageTable
+
+
+def _row_layout():
+    """pagedweight.kernels.weights, the one definition of the row's columns. Imported on first use, not with
+    this module: the runtime imports without the kernel package (as expert_store does)."""
+    from pagedweight.kernels import weights
+
+    return weights
 
 
 class DevicePageTableMirror:
@@ -39,7 +48,7 @@ class DevicePageTableMirror:
             )
         for row in self._table:
             if row.key.layer == layer and row.key.proj == proj:
-                want = 2 + row.spec.bits_max
+                want = _row_layout().PT_PLANES + row.spec.bits_max
                 if row.key.expert >= tensor.shape[0] or tensor.shape[1] != want:
                     raise ValueError(
                         f"page table of layer {layer} {proj} has shape {tuple(tensor.shape)}; block {row.key} "
@@ -49,11 +58,14 @@ class DevicePageTableMirror:
 
     def expected_row(self, block_id: int) -> list[int]:
         """The int64 row the kernel must see for a block, from its committed bits and handles."""
+        layout = _row_layout()
         row = self._table.row(block_id)
         q = row.committed_bits
-        out = [q, self._addr(row.tables[q].handle) if q else 0]
-        for p in range(row.spec.bits_max):
-            out.append(self._addr(row.planes[p].handle) if p < q else 0)
+        out = [0] * (layout.PT_PLANES + row.spec.bits_max)
+        out[layout.PT_BITS] = q
+        out[layout.PT_TABLE] = self._addr(row.tables[q].handle) if q else 0
+        for p in range(q):
+            out[layout.PT_PLANES + p] = self._addr(row.planes[p].handle)
         return out
 
     def flush(self) -> int:
