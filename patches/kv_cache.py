@@ -146,7 +146,11 @@ def _install(model_runner: Any, sizing: _Sizing) -> None:
         raise ElasticKVSetupError(
             f"elastic KV on CUDA needs the VMM-backed MHA pool; {type(pool).__name__} was built without it"
         )
-    backing = make_backing(pool, sizing.capacity_tokens, sizing.owner)
+    from pagedweight.runtime.paged_runtime import find_runtime
+
+    runtime = find_runtime(model_runner)
+    ledger = runtime.ledger if runtime is not None else None  # TP > 1: the fences every rank agrees on
+    backing = make_backing(pool, sizing.capacity_tokens, sizing.owner, ledger)
     kv = ElasticKVCache(
         pool,
         model_runner.token_to_kv_pool_allocator,

@@ -1,8 +1,9 @@
-"""ModelRunner integration: after the model is loaded, start the PagedWeight runtime and report.
+"""ModelRunner integration: after the model is loaded, build the PagedWeight runtime's weights side and report.
 
-The runtime loads every expert block's committed planes into the plane arena before SGLang measures free
-memory for its KV cache. The startup log states what the experts cost on the device at their committed
-bitwidths next to what bf16 experts would cost, so a user sees the saving before serving starts.
+The builder (python/pagedweight/serving/builder.py, `build_weights`) loads every expert block's committed
+planes into the plane arena before SGLang measures free memory for its KV cache. The startup log states what
+the experts cost on the device at their committed bitwidths next to what bf16 experts would cost, so a user
+sees the saving before serving starts.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ def collect_layer_stores(model: torch.nn.Module) -> list:
 
 
 def load_model_after(result, model_runner, *args, **kwargs):
-    from pagedweight.runtime.paged_runtime import PagedRuntime
     from pagedweight.patches.server_args import get_config
+    from pagedweight.serving.builder import build_weights
 
     cfg = get_config(model_runner.server_args)
     if not cfg.enable:
@@ -43,7 +44,8 @@ def load_model_after(result, model_runner, *args, **kwargs):
             "experts' bitwidths from the logits; python/pagedweight/serving/dummy_weights.py)", n
         )
     device = stores[0].w13.page_table.device
-    runtime = PagedRuntime.build(cfg, stores, device)
+    group = getattr(model_runner, "tp_group", None)  # SGLang's TP GroupCoordinator (the scheduler's too)
+    runtime = build_weights(cfg, stores, device, tp_world_size=group.world_size if group is not None else 1)
     model_runner._paged_weight_runtime = runtime
     logger.info(summary_line(runtime))
     if cfg.scope == "all":

@@ -1,7 +1,8 @@
 """Scheduler integration: the per-iteration PagedWeight step and its state in /get_server_info.
 
-- after Scheduler.__init__: attach a PagedWeightScheduler (pressure signal, policy, pager) when the model
-  runner started a PagedWeight runtime;
+- after Scheduler.__init__: when the model runner started a PagedWeight runtime, gather a SchedulerView and
+  let the builder (python/pagedweight/serving/builder.py) wire the PagedWeightScheduler (KV side of the
+  budget, pressure signal, policy, controller, TP agreement);
 - before Scheduler.get_next_batch_to_run: one step (the safe boundary, see python/pagedweight/serving/serving_loop.py);
 - after Scheduler.get_internal_state: add the runtime's state under "paged_weight", so SGLang's
   `/get_server_info` reports committed bitwidths, bytes in weights/KV/free and transitions;
@@ -23,13 +24,35 @@ ATTR = "_paged_weight"
 
 def init_after(result, scheduler, *args, **kwargs):
     from pagedweight.runtime.paged_runtime import find_runtime
-    from pagedweight.serving.serving_loop import PagedWeightScheduler
+    from pagedweight.serving.builder import build_serving
 
     runtime = find_runtime(scheduler.tp_worker.model_runner)
     if runtime is not None:
         kv = getattr(scheduler, "_paged_weight_kv", None)  # set by the elastic KV hooks when present
-        setattr(scheduler, ATTR, PagedWeightScheduler.attach(scheduler, runtime, kv))
+        setattr(scheduler, ATTR, build_serving(scheduler_view(scheduler), runtime, kv))
     return result
+
+
+def scheduler_view(scheduler):
+    """The builder's view of SGLang's scheduler."""
+    import torch
+
+    from pagedweight.serving.builder import SchedulerView, TpView, kv_bytes_per_token
+
+    group = getattr(scheduler, "tp_group", None)
+    tp = None if group is None else TpView(group.world_size, group.rank_in_group, group.first_rank, group.cpu_group)
+    args = scheduler.server_args
+    return SchedulerView(
+        page_size=scheduler.page_size,
+        max_total_num_tokens=scheduler.max_total_num_tokens,
+        kv_bytes_per_token=kv_bytes_per_token(scheduler.token_to_kv_pool_allocator.get_kvcache()),
+        load_format=args.load_format,
+        model_path=args.model_path,
+        enable_metrics=bool(getattr(args, "enable_metrics", False)),
+        tp_rank=getattr(scheduler, "tp_rank", 0),
+        tp=tp,
+        forward_stream=getattr(scheduler, "forward_stream", None) if torch.cuda.is_available() else None,
+    )
 
 
 def get_next_batch_before(scheduler, *args, **kwargs):

@@ -12,7 +12,7 @@ import pytest
 from pagedweight.config import SERVER_ARGS_ATTR, PagedWeightConfig
 from pagedweight.patches import kv_cache
 from pagedweight.planner.static_policy import StaticPolicy
-from pagedweight.serving.serving_loop import serving_policy
+from pagedweight.serving.builder import serving_policy
 
 
 def _configurator(**kind):

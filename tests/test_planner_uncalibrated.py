@@ -21,7 +21,7 @@ from pagedweight.planner.uncalibrated_policy import (
 from pagedweight.runtime.blocks import BlockKey
 from pagedweight.runtime.page_table import WeightPageTable
 from pagedweight.runtime.planner_api import Observation, validate_plan
-from pagedweight.serving.serving_loop import make_runtime_policy_choice
+from pagedweight.serving.builder import make_runtime_policy_choice
 from tests.support.fake_page_table import Row, Table
 
 SPEC = BlockSpec(out_features=32, in_features=128, bits_min=2, bits_max=8, group_size=64, table_kind="ubcq")

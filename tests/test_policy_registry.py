@@ -19,7 +19,7 @@ from pagedweight.planner.static_policy import StaticPolicy
 from pagedweight.runtime.blocks import BlockKey
 from pagedweight.runtime.page_table import WeightPageTable
 from pagedweight.runtime.planner_api import Observation, Plan, PlanStep, validate_plan
-from pagedweight.serving.serving_loop import make_runtime_policy_choice
+from pagedweight.serving.builder import make_runtime_policy_choice
 from tests.test_planner_policies import make_calib
 
 SPEC = BlockSpec(out_features=32, in_features=128, bits_min=2, bits_max=8, group_size=64, table_kind="ubcq")

@@ -38,15 +38,15 @@ class _Tree:
 
 
 class _Clock:
-    now = 0
+    now = None  # the iteration; None while the runtime loads (its drain is synchronous: fences done at once)
 
 
 class _SkewedFence:
-    def __init__(self, clock: _Clock, ready_at: int) -> None:
+    def __init__(self, clock: _Clock, ready_at) -> None:
         self.clock, self.ready_at = clock, ready_at
 
     def done(self) -> bool:
-        return self.clock.now >= self.ready_at
+        return self.ready_at is None or self.clock.now >= self.ready_at
 
 
 class _SkewedFences:
@@ -56,6 +56,8 @@ class _SkewedFences:
         self.clock, self.rank, self.n = clock, rank, 0
 
     def record(self) -> _SkewedFence:
+        if self.clock.now is None:
+            return _SkewedFence(self.clock, None)
         self.n += 1
         return _SkewedFence(self.clock, self.clock.now + (self.n + self.rank) % 3)
 
@@ -68,6 +70,8 @@ class _SkewedCopier:
 
     def copy(self, pairs) -> _SkewedFence:
         self.inner.copy(pairs)
+        if self.clock.now is None:
+            return _SkewedFence(self.clock, None)
         self.n += 1
         return _SkewedFence(self.clock, self.clock.now + 1 + (self.n * (self.rank + 1)) % 3)
 
@@ -99,23 +103,27 @@ def _worker(rank: int, init_file: str, mode: str, out_dir: str) -> None:
         from pagedweight.runtime.controller import PagingController
         from pagedweight.runtime.pressure import KVPressureSignal
         from pagedweight.serving.serving_loop import PagedWeightScheduler
+        from pagedweight.runtime.copier import TorchCopier
+        from pagedweight.runtime.fence_ledger import FenceLedger
         from pagedweight.runtime.tp_sync import make_tp_sync
 
         cuda = mode == "cuda"
         device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-        runtime = PagedRuntime.build(PagedWeightConfig(enable=True, bits=8), _stores(rank, device), device)
-        signal = KVPressureSignal(threshold_blocks=100, bytes_per_block=512, relax_blocks=400, relax_checks=2)
+        clock = _Clock()
+        fences = copier = None
+        if not cuda:  # on CUDA the fences are real events (VMM arena, copy stream)
+            fences, copier = _SkewedFences(clock, rank), _SkewedCopier(TorchCopier(None), clock, rank)
         quality = mode.startswith("quality")
+        agree = mode in ("full", "cuda") or quality
+        ledger = FenceLedger(started=False) if agree else None  # as serving.builder.build_weights makes it
+        runtime = PagedRuntime.build(PagedWeightConfig(enable=True, bits=8), _stores(rank, device), device,
+                                     ledger=ledger, fences=fences, copier=copier)
+        signal = KVPressureSignal(threshold_blocks=100, bytes_per_block=512, relax_blocks=400, relax_checks=2)
         policy = _quality_policy() if quality else make_policy("hotness", options={"interval_s": 0.001})
         controller = PagingController(runtime.pager, policy, signal, reload_headroom_bytes=runtime.reload_headroom_bytes)
-        clock = _Clock()
-        if not cuda:  # on CUDA the fences are real events (VMM arena, copy stream)
-            runtime.pager.fences = _SkewedFences(clock, rank)
-            runtime.pager.copier = _SkewedCopier(runtime.pager.copier, clock, rank)
         tp = None
         if mode != "none":
-            agree = mode in ("full", "cuda") or quality
-            tp = make_tp_sync(runtime.pager, None, dist.group.WORLD, 0, rank == 0, agree_fences=agree)
+            tp = make_tp_sync(runtime.pager, None, ledger, dist.group.WORLD, 0, rank == 0)
         state = PagedWeightScheduler(runtime, controller, page_size=1, capacity_blocks=1000, tp_sync=tp)
         if mode == "quality_local":  # control: each rank folds its own observer's traffic, as before the fix
             state._fresh_traffic = lambda: None
@@ -278,6 +286,7 @@ def test_fence_ledger_marks_only_fences_every_rank_completed():
 
 
 def test_make_tp_sync_refuses_a_busy_pager():
+    from pagedweight.runtime.fence_ledger import FenceLedger
     from pagedweight.runtime.tp_sync import make_tp_sync
 
     class _Busy:
@@ -285,7 +294,7 @@ def test_make_tp_sync_refuses_a_busy_pager():
             return False
 
     with pytest.raises(RuntimeError, match="idle pager"):
-        make_tp_sync(_Busy(), None, None, 0, True)
+        make_tp_sync(_Busy(), None, FenceLedger(started=False), None, 0, True)
 
 
 class _EventFences:
@@ -299,40 +308,49 @@ class _EventCopier:
 
 
 class _IdlePager:
-    def __init__(self) -> None:
-        self.fences, self.copier = _EventFences(), _EventCopier()
-
     def idle(self) -> bool:
         return True
 
 
 class _ParkedKV:
-    def __init__(self) -> None:
-        from pagedweight.kvcache.elastic_kv_backing import VmmKVBacking
-
+    def __init__(self, backing) -> None:
         self.polls = 0
-        self.backing = VmmKVBacking.__new__(VmmKVBacking)  # only its fence hook is exercised (no CUDA here)
-        self.backing._fence = lambda stream: _Event()
+        self.backing = backing
 
     def poll(self) -> int:
         self.polls += 1
         return 0
 
 
-def test_make_tp_sync_routes_every_fence_source_through_the_ledger(tmp_path):
+def test_every_fence_source_is_built_over_the_ledger_make_tp_sync_starts(tmp_path, monkeypatch):
+    """The pager's fences and copier (PagedRuntime.build) and the KV backing's fences (make_backing) are built over
+    the runtime's ledger; it numbers nothing until make_tp_sync starts it (the load-time drain and SGLang's KV
+    sizing wait blockingly), then every fence of the three sources is a ledger fence."""
+    from pagedweight.kvcache import elastic_kv_backing
+    from pagedweight.runtime.fence_ledger import FenceLedger
     from pagedweight.runtime.tp_sync import make_tp_sync
 
-    pager, kv = _IdlePager(), _ParkedKV()
+    ledger = FenceLedger(started=False)
+    fences, copier = ledger.wrap_factory(_EventFences()), ledger.wrap_copier(_EventCopier())
+
+    class _Owner:  # only what make_backing and the backing's constructor read (no CUDA here)
+        device_id = 0
+
+    monkeypatch.setattr(elastic_kv_backing, "_cuda_event_fence", lambda device_id: (lambda stream: _Event()))
+    backing = elastic_kv_backing.make_backing(type("Pool", (), {"page_size": 1})(), 8, _Owner(), ledger)
+    kv = _ParkedKV(backing)
+    assert isinstance(fences.record(), _Event) and isinstance(backing._fence(None), _Event)  # before the start
+    assert ledger.recorded == 0
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
-        sync = make_tp_sync(pager, kv, dist.group.WORLD, 0, True)
+        sync = make_tp_sync(_IdlePager(), kv, ledger, dist.group.WORLD, 0, True)
     finally:
         dist.destroy_process_group()
-    assert kv.polls == 1  # memory parked before the ledger existed is released once, on every rank
-    fence = kv.backing._fence(None)
+    assert kv.polls == 1  # memory parked before the ledger started is released once, on every rank
+    fence = backing._fence(None)
     assert fence.seq == 0 and not fence.query()  # a KV release fence is now a ledger fence
-    assert pager.fences.record().seq == 1 and pager.copier.copy([]).seq == 2
-    assert sync.ledger.recorded == 3
+    assert fences.record().seq == 1 and copier.copy([]).seq == 2
+    assert sync.ledger is ledger and ledger.recorded == 3
 
 
 class _DoneEvent:

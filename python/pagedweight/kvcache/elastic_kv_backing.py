@@ -59,10 +59,6 @@ class KVBacking(Protocol):
         """Release what became safe to release; returns the bytes released by this call."""
         ...
 
-    def wrap_fences(self, wrap: Callable[[Callable[[Any], Any]], Callable[[Any], Any]]) -> None:
-        """Route the fences this backing records through `wrap` (TP: FenceLedger.wrap_event_fn)."""
-        ...
-
     def close(self) -> None:
         ...
 
@@ -100,9 +96,6 @@ class HostKVBacking:
     def poll(self) -> int:
         released, self._released = self._released, 0
         return released
-
-    def wrap_fences(self, wrap: Callable[[Callable[[Any], Any]], Callable[[Any], Any]]) -> None:
-        pass  # host memory is released at once: no fences to agree on
 
     def close(self) -> None:
         pass
@@ -338,9 +331,6 @@ class VmmKVBacking:
         self._pending = kept
         return released
 
-    def wrap_fences(self, wrap: Callable[[Callable[[Any], Any]], Callable[[Any], Any]]) -> None:
-        self._fence = wrap(self._fence)
-
     def close(self) -> None:
         for p in self._pending:
             p.event.synchronize()
@@ -364,7 +354,11 @@ def host_bytes_per_token(pool: Any) -> int:
     return total
 
 
-def make_backing(pool: Any, capacity_tokens: int, owner: Optional[Any] = None) -> KVBacking:
+def make_backing(pool: Any, capacity_tokens: int, owner: Optional[Any] = None, ledger: Optional[Any] = None) -> KVBacking:
+    """The VMM backing when SGLang's pool buffers sit in `owner`, else the host one. With TP > 1 `ledger` is the
+    runtime's FenceLedger (runtime/fence_ledger.py): the fences the VMM backing records when it parks its tail
+    are numbered and agreed by every rank (host memory is released at once: it records none)."""
     if owner is not None:
-        return VmmKVBacking(owner, pool.page_size)
+        fence = _cuda_event_fence(owner.device_id)
+        return VmmKVBacking(owner, pool.page_size, ledger.wrap_event_fn(fence) if ledger is not None else None)
     return HostKVBacking(host_bytes_per_token(pool), capacity_tokens)

@@ -1,6 +1,6 @@
 """`make_policy`: a policy by name outside a server (tests, tools), built by the registry (planner/registry.py).
 
-A server builds its policy in `serving_loop.make_runtime_policy_choice`, from the same registry, with its runtime
+A server builds its policy in `serving.builder.make_runtime_policy_choice`, from the same registry, with its runtime
 (the uncalibrated policy plans over the runtime's page table, the quality policy gets a RoutingObserver the MoE
 forward feeds).
 """

@@ -5,7 +5,7 @@ current and the KV allocator's free/evictable block counts. Under pressure the p
 bytes the KV side still lacks (the target D minus what earlier plans are already freeing); on a relax
 signal the KV side first hands its spare free blocks back to the budget (`ElasticKV.shrink`), then the
 policy may spend the free budget on reloads. Bytes freed by offloads reach the KV side through the
-pager's `on_bytes_freed` callback (wire it to the KV cache's grow).
+pager's `on_bytes_freed` callback (the runtime's KV link to the KV cache's grow: paged_runtime.py).
 
 With TP > 1 every rank must apply the same plans at the same iteration: run the policy on one rank and
 broadcast its plans (the scheduler hook's job), or make sure every input of `step` is identical on all

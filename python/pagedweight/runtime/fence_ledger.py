@@ -52,12 +52,25 @@ class LedgerFence:
 
 
 class FenceLedger:
-    def __init__(self) -> None:
+    """`started=False`: the ledger the runtime is built with (PagedRuntime.build) before serving begins. Until
+    `start()` the wrapped fence sources hand out their own fences, unnumbered: the load-time drain and SGLang's
+    KV sizing wait on them blockingly, which needs no agreement (tp_sync.make_tp_sync starts the ledger once
+    the pager is idle and the KV memory parked so far is released)."""
+
+    def __init__(self, started: bool = True) -> None:
+        self.started = started
         self.recorded = 0  # fences numbered so far (part of the TP digest: equal on every rank)
         self.agreed = 0
         self._pending: dict[int, LedgerFence] = {}
 
-    def track(self, inner: Any) -> LedgerFence:
+    def start(self) -> None:
+        """Number and agree every fence recorded from now on."""
+        self.started = True
+
+    def track(self, inner: Any) -> Any:
+        """A ledger fence over `inner` (`inner` itself before `start()`)."""
+        if not self.started:
+            return inner
         fence = LedgerFence(self.recorded, inner)
         self.recorded += 1
         self._pending[fence.seq] = fence
@@ -91,7 +104,7 @@ class FenceLedger:
     def wrap_copier(self, copier: Copier) -> Copier:
         return _LedgerCopier(self, copier)
 
-    def wrap_event_fn(self, record: Callable[[Any], Any]) -> Callable[[Any], LedgerFence]:
+    def wrap_event_fn(self, record: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """For the elastic KV backing: record(stream) -> event becomes record(stream) -> ledger fence."""
         return lambda stream: self.track(record(stream))
 

@@ -1,15 +1,18 @@
 """PagedWeight's per-process runtime: the page table, plane arena, budget and pager over every MoE layer.
 
-Built once the model is loaded (patches/model_runner.py), before SGLang sizes its KV cache, so the device
-bytes of the committed planes are already taken when SGLang measures free memory. The scheduler side
-(patches/scheduler.py) then adds the KV pressure signal, the policy and the elastic KV cache.
+Built once the model is loaded (serving/builder.py, from patches/model_runner.py), before SGLang sizes its KV
+cache, so the device bytes of the committed planes are already taken when SGLang measures free memory. The
+pager gets its final fences and copier here (under TP, over the FenceLedger every rank agrees on). The
+runtime is the one owner of the MemoryBudget: it registers the weights' share here and the KV side's share in
+`link_kv` (the scheduler side of the builder); the pager and the elastic KV cache only reserve, commit and
+release through it.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
@@ -17,9 +20,10 @@ from pagedweight.config import PagedWeightConfig
 from pagedweight.runtime.arena import CudaVmmPlaneArena, HostPlaneArena, PlaneArena
 from pagedweight.runtime.blocks import BlockKey
 from pagedweight.runtime.budget import MemoryBudget
-from pagedweight.runtime.copier import TorchCopier
+from pagedweight.runtime.copier import Copier, TorchCopier
 from pagedweight.runtime.expert_store import MoELayerStore, ProjectionStore
-from pagedweight.runtime.fences import CudaEventFenceFactory, ImmediateFenceFactory
+from pagedweight.runtime.fence_ledger import FenceLedger
+from pagedweight.runtime.fences import CudaEventFenceFactory, FenceFactory, ImmediateFenceFactory
 from pagedweight.runtime.page_table import WeightPageTable, arena_size_classes
 from pagedweight.runtime.pager import Pager, PagerConfig
 
@@ -41,6 +45,18 @@ class StoreHostWeights:
         return store.host[e].tables[bits]
 
 
+class KVLink:
+    """Where the bytes the pager frees go: the elastic KV cache's grow once `PagedRuntime.link_kv` linked it,
+    nowhere before (a fixed KV pool never links one)."""
+
+    def __init__(self) -> None:
+        self.kv: Any = None
+
+    def __call__(self, nbytes: int) -> None:
+        if self.kv is not None:
+            self.kv.grow(nbytes)
+
+
 @dataclass
 class PagedRuntime:
     cfg: PagedWeightConfig
@@ -52,9 +68,15 @@ class PagedRuntime:
     block_index: list[tuple[ProjectionStore, int]]  # block_id -> (store, expert)
     initial_bits: int
     reload_headroom_bytes: int
+    ledger: Optional[FenceLedger] = None  # TP > 1: the fences every rank agrees on (started by tp_sync.make_tp_sync)
+    kv_link: KVLink = field(default_factory=KVLink)
+    kv_linked: bool = False
 
     @classmethod
-    def build(cls, cfg: PagedWeightConfig, stores: list[MoELayerStore], device: torch.device) -> "PagedRuntime":
+    def build(cls, cfg: PagedWeightConfig, stores: list[MoELayerStore], device: torch.device, *,
+              ledger: Optional[FenceLedger] = None, fences: Optional[FenceFactory] = None,
+              copier: Optional[Copier] = None) -> "PagedRuntime":
+        """`fences` / `copier` replace the device's own (tests); with `ledger` (TP > 1) both go through it."""
         index: list[tuple[ProjectionStore, int]] = []
         blocks: list[tuple[BlockKey, object]] = []
         for layer in stores:
@@ -72,30 +94,35 @@ class PagedRuntime:
         classes = arena_size_classes(table)
         if device.type == "cuda":
             arena: PlaneArena = CudaVmmPlaneArena(classes, device_id=device.index or 0, poison=cfg.debug_poison)
-            fences = CudaEventFenceFactory(torch.cuda.current_stream(device))
+            fences = fences if fences is not None else CudaEventFenceFactory(torch.cuda.current_stream(device))
         else:
             arena = HostPlaneArena(classes, poison=cfg.debug_poison)
-            fences = ImmediateFenceFactory()
+            fences = fences if fences is not None else ImmediateFenceFactory()
+        copier = copier if copier is not None else TorchCopier.for_device(device)
+        if ledger is not None:
+            fences, copier = ledger.wrap_factory(fences), ledger.wrap_copier(copier)
         want = sum(row.bytes_at(row.desired_bits) for row in table)
         staging = max(row.spec.table_bytes(row.spec.bits_max) for row in table)
         # The weights' share of the budget: the committed blocks, the pager's staging reserve (an offload
         # loads its lower table before freeing), and the same again as headroom for a reload's transient
-        # (the new table is copied in while the old one is still read). The KV side adds its bytes when
-        # the scheduler attaches it.
+        # (the new table is copied in while the old one is still read). The KV side's bytes follow in
+        # link_kv.
         budget = MemoryBudget(total_bytes=want + 2 * staging, fixed_bytes=0)
+        kv_link = KVLink()
         pager = Pager(
             table,
             arena,
             budget,
             StoreHostWeights(index),
-            TorchCopier.for_device(device),
+            copier,
             fences,
+            on_bytes_freed=kv_link,
             config=PagerConfig(max_inflight_bytes=cfg.max_inflight_mib << 20, staging_bytes=staging),
         )
         for layer in stores:
             for proj in layer.projections:
                 pager.mirror.bind(layer.layer_id, proj.proj, proj.page_table)
-        runtime = cls(cfg, stores, table, arena, budget, pager, index, bits, staging)
+        runtime = cls(cfg, stores, table, arena, budget, pager, index, bits, staging, ledger, kv_link)
         for block_id, (proj, e) in enumerate(index):
             if e == 0:
                 first = block_id
@@ -105,6 +132,21 @@ class PagedRuntime:
         if sync:
             sync()
         return runtime
+
+    def link_kv(self, kv: Any, fixed_kv_bytes: int) -> None:
+        """Register the KV side's share of the budget, once. An elastic KV cache (`kv`) brings what its backing
+        has mapped now (its bytes: whole chunks on CUDA); from then on its grows and shrinks reserve and release
+        through the budget, and the bytes the pager frees go to its grow. A fixed pool (`kv` None) brings
+        `fixed_kv_bytes`, and the freed bytes go nowhere."""
+        if self.kv_linked:
+            raise RuntimeError("the KV side of the budget is already linked")
+        self.kv_linked = True
+        if kv is None:
+            self.budget.add_capacity("kv", fixed_kv_bytes)
+            return
+        self.budget.add_capacity("kv", kv.state().mapped_bytes)
+        kv.attach_budget(self.budget)
+        self.kv_link.kv = kv
 
     # -- accounting for the log line and the state endpoint -----------------------------------------
 

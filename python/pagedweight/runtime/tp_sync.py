@@ -207,23 +207,22 @@ class TpStepSync:
         }
 
 
-def make_tp_sync(pager: Any, kv: Any, group: Any, src_global_rank: int, is_src: bool, agree_fences: bool = True) -> TpStepSync:
-    """Route the pager's and the KV backing's fences through one ledger and return the iteration sync.
+def make_tp_sync(pager: Any, kv: Any, ledger: Optional[FenceLedger], group: Any, src_global_rank: int,
+                 is_src: bool) -> TpStepSync:
+    """Start agreeing on `ledger`'s fences and return the iteration sync. The pager's fences and copier and the
+    KV backing's fences were built over this ledger (PagedRuntime.build, patches/kv_cache.py); it numbers
+    nothing until started here.
 
     Call while the pager is idle (after the initial load drained): fences recorded before this point would
-    be polled rank by rank. `agree_fences=False` exists for control runs in tests."""
-    ledger = None
-    if agree_fences:
+    be polled rank by rank. `ledger=None` (each rank's own fences) exists for control runs in tests."""
+    if ledger is not None:
         if not pager.idle():
             raise RuntimeError("make_tp_sync needs an idle pager: fences already in flight would be polled per rank")
-        ledger = FenceLedger()
-        pager.fences = ledger.wrap_factory(pager.fences)
-        pager.copier = ledger.wrap_copier(pager.copier)
         if kv is not None:
             # KV memory parked before this point (e.g. by SGLang's post-capture resize) waits on raw events
             # that each rank would release at its own moment: wait for them once here, on every rank.
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             kv.poll()
-            kv.backing.wrap_fences(ledger.wrap_event_fn)
+        ledger.start()
     return TpStepSync(group, src_global_rank, is_src, ledger)

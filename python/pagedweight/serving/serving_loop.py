@@ -6,11 +6,12 @@ overlap loop forward k is in flight on the forward stream while batch k+1 is bei
 page-table writes are enqueued on the forward stream there, so forward k reads the old rows and forward
 k+1 the new ones, and the fence recorded after them tells the pager when forward k (the last reader of
 freed planes) is done.
+
+The PagedWeightScheduler is built, wired once, by serving/builder.py (`build_serving`).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import struct
 import time
@@ -21,44 +22,14 @@ from typing import Any, Optional
 
 import torch
 
-from pagedweight.config import PagedWeightConfig
+from pagedweight.runtime.controller import PagingController
 from pagedweight.runtime.latency_histogram import LatencyHistogram
 from pagedweight.runtime.paged_runtime import PagedRuntime
-from pagedweight.planner.choice import PolicyChoice, choose_policy
-from pagedweight.runtime.controller import PagingController
-from pagedweight.planner import registry as policy_registry
-from pagedweight.planner.registry import PolicyInputs
-from pagedweight.runtime.planner_api import Observation, Policy
-from pagedweight.runtime.pressure import KVPressureSignal
-from pagedweight.runtime.tp_sync import RankDigest, StepInputs, TpStepSync, make_tp_sync
-
-logger = logging.getLogger("pagedweight")
+from pagedweight.runtime.planner_api import Observation
+from pagedweight.runtime.tp_sync import RankDigest, StepInputs, TpStepSync
 
 # Routing statistics are copied from the device at most this often (the copy waits for the forward).
 ROUTING_REFRESH_S = 0.5
-
-
-def make_runtime_policy_choice(cfg: PagedWeightConfig, ap_dir: Optional[str],
-                               runtime: Optional[PagedRuntime] = None) -> tuple[Policy, PolicyChoice]:
-    """The policy named by --paged-weight-policy ('auto': planner/choice.py), built by the registry
-    (planner/registry.py), and which floor it plans above, and why; for 'quality' also a RoutingObserver that
-    every MoE layer's forward feeds (routing weights and routed-input norms, on the device)."""
-    choice = choose_policy(cfg.policy, ap_dir)
-    inputs = PolicyInputs(ap_dir=ap_dir, runtime=runtime, calibration=choice.calibration, floor_bits=cfg.floor_bits)
-    policy, floor = policy_registry.POLICY_REGISTRY.build(choice.name, inputs)
-    return policy, choice.with_floor(floor)
-
-
-def serving_policy(cfg: PagedWeightConfig, ap_dir, runtime: PagedRuntime, *, fixed_kv: bool) -> tuple[Policy, str]:
-    """The policy a server runs and its startup line. A fixed KV pool (patches/kv_cache.py: a pool kind the
-    elastic cache does not take) gets the static policy: bytes a lower bitwidth frees could not reach it, so no
-    plan may lower one."""
-    if fixed_kv:
-        from pagedweight.planner.static_policy import StaticPolicy
-
-        return StaticPolicy(), "PagedWeight: policy static (the KV pool is fixed: freed weight bytes could not reach it)"
-    policy, choice = make_runtime_policy_choice(cfg, ap_dir, runtime)
-    return policy, choice.log_line()
 
 
 @dataclass
@@ -80,50 +51,6 @@ class PagedWeightScheduler:
     _routing: dict = field(default_factory=dict)
     _routing_at: float = -1.0
     _traffic_at: float = -1.0
-
-    @classmethod
-    def attach(cls, scheduler: Any, runtime: PagedRuntime, kv: Any = None) -> "PagedWeightScheduler":
-        cfg = runtime.cfg
-        page = scheduler.page_size
-        kv_cache = scheduler.token_to_kv_pool_allocator.get_kvcache()
-        bytes_per_token = _kv_bytes_per_token(kv_cache)
-        capacity_blocks = scheduler.max_total_num_tokens // page
-        low = max(1, math.ceil(cfg.kv_low_watermark * capacity_blocks))
-        high = max(low + 1, math.ceil(cfg.kv_high_watermark * capacity_blocks))
-        signal = KVPressureSignal(low, bytes_per_token * page, high)
-        if kv is not None:
-            # The elastic KV cache accounts in its backing's bytes (whole chunks on CUDA); what it has
-            # mapped now is the KV side's starting share, and its grows/shrinks move bytes from then on.
-            runtime.budget.add_capacity("kv", kv.state().mapped_bytes)
-            kv.attach_budget(runtime.budget)
-        else:
-            runtime.budget.add_capacity("kv", scheduler.max_total_num_tokens * bytes_per_token)
-        ap_dir = None if scheduler.server_args.load_format == "dummy" else cfg.resolve_ap_dir(scheduler.server_args.model_path)
-        policy, line = serving_policy(cfg, ap_dir, runtime, fixed_kv=kv is None)
-        logger.info(line)
-        controller = PagingController(
-            runtime.pager, policy, signal, kv=kv, reload_headroom_bytes=runtime.reload_headroom_bytes
-        )
-        if kv is not None:
-            runtime.pager.on_bytes_freed = kv.grow
-        stream = getattr(scheduler, "forward_stream", None) if torch.cuda.is_available() else None
-        logger.info(
-            "PagedWeight: policy %s, KV %d tokens x %d B/token, offload below %d free blocks, reload above %d",
-            type(policy).__name__, scheduler.max_total_num_tokens, bytes_per_token, low, high,
-        )
-        metrics = None
-        if getattr(scheduler.server_args, "enable_metrics", False):
-            from pagedweight.serving.metrics import PagedWeightMetrics
-
-            metrics = PagedWeightMetrics(tp_rank=getattr(scheduler, "tp_rank", 0))
-        tp_sync = None
-        tp_group = getattr(scheduler, "tp_group", None)
-        if tp_group is not None and tp_group.world_size > 1:
-            tp_sync = make_tp_sync(
-                runtime.pager, kv, tp_group.cpu_group, tp_group.first_rank, tp_group.rank_in_group == 0
-            )
-            logger.info("PagedWeight: TP %d, decisions and fence completions agreed on the TP CPU group", tp_group.world_size)
-        return cls(runtime, controller, page, capacity_blocks, stream, metrics, tp_sync, queue_aware=cfg.queue_aware)
 
     def step(self, scheduler: Any) -> None:
         t0 = time.perf_counter()
@@ -292,21 +219,3 @@ def head_of_line_demand_tokens(scheduler: Any) -> int:
     ratio = float(getattr(tracker, "current", 1.0)) if tracker is not None else 1.0
     return prompt + math.ceil(min(max_new, CLIP_MAX_NEW_TOKENS) * ratio)
 
-
-def _kv_bytes_per_token(kv_cache: Any) -> int:
-    """Bytes one token occupies across every layer's K and V buffers of SGLang's KV pool. A hybrid sliding-window
-    pool (SWAKVPool: Gemma-4) writes every new token into both its full-attention and its sliding-window pools, so
-    its token costs the sum of theirs."""
-    parts = [getattr(kv_cache, name, None) for name in ("full_kv_pool", "swa_kv_pool")]
-    if all(part is not None for part in parts):
-        return sum(_kv_bytes_per_token(part) for part in parts)
-    total = 0
-    for name in ("k_buffer", "v_buffer", "kv_buffer"):
-        bufs = getattr(kv_cache, name, None)
-        if bufs is None:
-            continue
-        for b in bufs:
-            total += b[0].numel() * b.element_size()
-    if total == 0:
-        raise RuntimeError(f"cannot measure bytes per token of KV pool {type(kv_cache).__name__}")
-    return total
