@@ -9,9 +9,11 @@ Sources: this tree's (`tree`), a git revision's (`--rev`), kernel files (`--sour
 includes beside it), and timing probes of this tree's source (`--probe`; their results are wrong by design):
 `nomath` keeps the plane copies, ldmatrix and activation loads but drops the bit transposition, the mma and the
 group-end epilogue; `noload` reads every warp's planes from the first rows of each plane (L2-resident), so HBM
-serves only the tables and activations; `nomath_noload` both; `noshfl` drops the four coefficient shuffles of
-each group end; `noact` loads every chunk's activations from the unit's first chunk (L1-resident), so L2
-serves only the planes and tables. Every source must take the same launch arguments (cuda_fold.py of this tree launches them);
+serves only the tables and activations (every warp on the same rows: the reads crowd a few L2 slices);
+`l2rows` wraps each warp's rows into the first 128 rows of each plane (an L2-resident working set spread over the
+L2, so HBM serves only the tables and activations without that crowding); `nomath_noload` both; `noshfl` drops the four coefficient shuffles of
+each group end; `noact` loads every chunk's activations from the unit's first chunk (L1-resident; with
+`shared_act` the activation ring is never filled), so L2 serves only the planes and tables. Every source must take the same launch arguments (cuda_fold.py of this tree launches them);
 the launch configs are this tree's defaults for each shape. Writes every timing and, per (model, case, M) and
 source, the median of its times over the median of this tree's.
 """
@@ -56,6 +58,7 @@ _NOMATH_BODY = """                    u32 xr = 0;
 _ROW_OFFSET = "+ (long long)ra[0] * row_bytes + (long long)(c_begin + t) * 16;"
 _DROW = "da[r] = (long long)(ra[r] - ra[0]) * row_bytes;\n        db[r] = (long long)(rb[r] - ra[0]) * row_bytes;"
 _ACT_CHUNK = "const u16* pc = xl + (long long)c * UNIT_CHUNK_ELEMS;"
+_SA_ACT_COPY = "        if (SA && si < nstages) {\n            const u32 base = act_ring"
 
 
 def _once(text: str, marker: str) -> int:
@@ -68,17 +71,23 @@ def _once(text: str, marker: str) -> int:
 def probe_text(text: str, probe: str) -> str:
     """This tree's kernel source with the math and / or the HBM plane reads removed (timing only)."""
     parts = probe.split("_")
-    if not set(parts) <= {"nomath", "noload", "noshfl", "noact"}:
-        raise SystemExit(f"--probe: unknown probe {probe!r} (nomath, noload, noshfl, noact, joined by _)")
+    if not set(parts) <= {"nomath", "noload", "l2rows", "noshfl", "noact"}:
+        raise SystemExit(f"--probe: unknown probe {probe!r} (nomath, noload, l2rows, noshfl, noact, joined by _)")
     if "nomath" in parts:
         start, end = _once(text, _MATH_START), _once(text, _LOOP_END)
         text = text[:start] + _NOMATH_BODY + text[end:]
     if "noload" in parts:
         _once(text, _ROW_OFFSET), _once(text, _DROW)
         text = text.replace(_ROW_OFFSET, "+ (long long)t * 16;").replace(_DROW, "da[r] = db[r] = 0;")
+    if "l2rows" in parts:
+        _once(text, _ROW_OFFSET), _once(text, _DROW)
+        text = text.replace(_ROW_OFFSET, "+ (long long)(ra[0] & 127) * row_bytes + (long long)(c_begin + t) * 16;")
+        text = text.replace(_DROW, "da[r] = (long long)((ra[r] & 127) - (ra[0] & 127)) * row_bytes;\n"
+                                   "        db[r] = (long long)((rb[r] & 127) - (ra[0] & 127)) * row_bytes;")
     if "noact" in parts:
-        _once(text, _ACT_CHUNK)
+        _once(text, _ACT_CHUNK), _once(text, _SA_ACT_COPY)
         text = text.replace(_ACT_CHUNK, "const u16* pc = xl; (void)c;")
+        text = text.replace(_SA_ACT_COPY, _SA_ACT_COPY.replace("SA && si < nstages", "false && si < nstages"))
     if "noshfl" in parts:
         text, n = re.subn(r"__shfl_sync\(0xffffffffu, (x[ab]\.[ab]), src_lane\)", r"\1", text)
         if n != 4:

@@ -98,11 +98,30 @@ def candidates(c13, c2, w2, names=None):
                 "w8_2": (c13, replace(c2, warps=8, min_blocks=2, row_tiles=1)),
                 "w16_2": (c13, replace(c2, warps=16, min_blocks=1, row_tiles=1)),
             })
+        # where each stage's group sums come from: the activation ring (shared_act) or L2 a stage ahead (direct)
+        if c13.shared_act:
+            table["sumr"] = both(c13, c2, sums_in_ring=True)
+            table["nosumr"] = both(c13, c2, sums_in_ring=False)
+            # narrow stages: 3 / 4 ring stages of two chunks in the shared memory of two of four
+            table["sc2_sa4"] = both(c13, c2, stage_chunks=2, sa_stages=4)
+            table["sc2_sa3"] = both(c13, c2, stage_chunks=2, sa_stages=3)
+            table["sc2_sa4_sumr"] = both(c13, c2, stage_chunks=2, sa_stages=4, sums_in_ring=True)
+            table["sc2_sa4_13"] = (replace(c13, stage_chunks=2, sa_stages=4), c2)
+            table["sc2_sa4_2"] = (c13, replace(c2, stage_chunks=2, sa_stages=4))
+            # two row tiles per warp on narrow stages (twice the rows per activation read; 12 KB rings, 3 blocks per SM)
+            table["sc2_sa3_rt2_kb12_mb3"] = both(c13, c2, stage_chunks=2, sa_stages=3, row_tiles=2, ring_kb=12, min_blocks=3)
+        else:
+            table["sah"] = both(c13, c2, sums_ahead=True)
+            table["nosah"] = both(c13, c2, sums_ahead=False)
+            table["sc2"] = both(c13, c2, stage_chunks=2)  # four plane stages of two chunks in each warp's ring
+            table["sc2_sah"] = both(c13, c2, stage_chunks=2, sums_ahead=True)
         kps = c2.k_per_split or w2.K
         for f in (2, 4):  # w2 cut into f times as many K slices (more blocks when there are few pairs)
             k = max(w2.group_size, kps // f // w2.group_size * w2.group_size)
             if k < kps:
                 table[f"w2s{f}"] = (c13, replace(c2, k_per_split=k))
+                table[f"sumr_w2s{f}"] = (table.get("sumr", table.get("sah"))[0],
+                                         replace(table.get("sumr", table.get("sah"))[1], k_per_split=k))
         if not c13.direct:
             table["nt1"] = both(c13, c2, n_tiles=1)
             table["nt2"] = both(c13, c2, n_tiles=2)

@@ -70,7 +70,8 @@ W2_MIN_BLOCKS_AT_TWO_N_TILES = 3
 # pdl / nopdl, docs/results/kernel.md sessions 18-19), so every call takes it where the device has it.
 PDL_MIN_CAPABILITY = 9
 # shared_act: stages of the block's activation ring (the plane rings then run as many); the kernel's SA_STAGES
-SA_STAGES = (2, 3)
+SA_STAGES = (2, 3, 4)
+STAGE_CHUNKS = (2, 4, 8)
 MAX_SHARED_BYTES = 227 * 1024  # dynamic shared memory one block may take on sm_90
 
 
@@ -81,7 +82,7 @@ class FoldConfig:
     wk: int = 1  # warps of a block splitting its K range (MODE 0: summed in shared memory before silu)
     k_per_split: int = 0  # MODE 1/2: inputs per block (0: all of K); summed with float32 atomics
     min_blocks: int = DEFAULT_MIN_BLOCKS
-    stage_chunks: int = 4  # 128-input chunks per ring stage: 64-byte (4) or 128-byte (8) row pieces per plane
+    stage_chunks: int = 4  # 128-input chunks per ring stage: 32-byte (2), 64-byte (4) or 128-byte (8) row pieces per plane
     ring_kb: int = DEFAULT_RING_KB  # shared memory of each warp's ring (one stage of bits_max planes at least)
     scale_stages: int = 3  # stages ahead that the (scale, offset) loads run (the tables come from DRAM)
     act_prefetch: bool = True  # one n-tile: the next chunk's activations in flight (16 registers)
@@ -93,17 +94,24 @@ class FoldConfig:
     # the activations through a ring in shared memory that the warps sharing a K range fill together (each unit's
     # activations leave L2 once per block, not once per warp), in lockstep: a block barrier per stage
     shared_act: bool = False
-    sa_stages: int = 2  # shared_act: stages of the activation ring and the plane rings (2 or 3)
+    # shared_act: stages of the activation ring (2, 3 or 4); each plane ring runs as many where it holds that many stages
+    # of the committed planes, else fewer (two at least): narrow stages (stage_chunks 2) keep more of them in flight
+    sa_stages: int = 2
     # q <= 4: the two mma of each code word accumulate into two registers sets (two dependent chains of half the length
     # per chunk, summed at the group's end); q > 4 has two chains already (its high and low nibbles)
     split_chains: bool = False
     # warps per block (4, 8 or 16); min_blocks counts blocks of this size. With shared_act every warp on a K range reads
     # the same activation ring, so more warps per block read each stage's activations from L2 once for more rows
     warps: int = NWARPS
+    # where each stage's group sums (one float per slot and group) come from: shared_act, copied into the activation
+    # ring with the stage's activations and read from shared memory at each group's end; without shared_act, loaded
+    # from L2 a stage ahead into registers. Off: loaded from L2 at the start of the stage that uses them
+    sums_in_ring: bool = False
+    sums_ahead: bool = False
 
     def __post_init__(self) -> None:
-        if self.stage_chunks not in (4, 8):
-            raise ValueError(f"stage_chunks must be 4 or 8, got {self.stage_chunks}")
+        if self.stage_chunks not in STAGE_CHUNKS:
+            raise ValueError(f"stage_chunks must be one of {STAGE_CHUNKS}, got {self.stage_chunks}")
         if not 4 <= self.ring_kb <= 56:
             raise ValueError(f"ring_kb must be in 4..56, got {self.ring_kb}")
         if not 1 <= self.scale_stages <= 4:
@@ -129,6 +137,10 @@ class FoldConfig:
                              f"warps an SM holds")
         if self.sa_stages not in SA_STAGES:
             raise ValueError(f"sa_stages must be one of {SA_STAGES}, got {self.sa_stages}")
+        if self.sums_in_ring and not self.shared_act:
+            raise ValueError("sums_in_ring needs shared_act (the sums ride the block-shared activation ring)")
+        if self.sums_ahead and self.shared_act:
+            raise ValueError("sums_ahead is for the path without shared_act (with it, use sums_in_ring)")
         if self.shared_act and self.direct:
             raise ValueError("shared_act needs blocks of 8 n_tiles slots (not direct: one pair has no activations to share)")
         if self.shared_bytes > MAX_SHARED_BYTES:
@@ -142,7 +154,8 @@ class FoldConfig:
 
     @property
     def shared_bytes(self) -> int:
-        act = self.wk * self.sa_stages * self.stage_chunks * self.n_tiles * CHUNK * 8 * 2 if self.shared_act else 0
+        chunk_bytes = self.n_tiles * CHUNK * 8 * 2 + (self.slots * 4 if self.sums_in_ring else 0)
+        act = self.wk * self.sa_stages * self.stage_chunks * chunk_bytes if self.shared_act else 0
         return self.warps * self.ring_kb * 1024 + act
 
     @property
@@ -150,17 +163,17 @@ class FoldConfig:
         return 16 * self.row_tiles * self.warps // self.wk
 
     def min_ring_bytes(self, bits_max: int) -> int:
-        """One ring stage of `bits_max` planes (the kernel halves 4-chunk stages to 2 where two would not fit); with
-        shared_act `sa_stages` such stages (the block steps through a ring of that many)."""
-        one = self.row_tiles * bits_max * 16 * 16 * (2 if self.stage_chunks == 4 else 8)
-        return self.sa_stages * one if self.shared_act else one
+        """One ring stage of `bits_max` planes (the kernel halves 4-chunk stages to 2 where too few would fit); with
+        shared_act two such stages (the block steps through at least two; more where the ring holds them)."""
+        one = self.row_tiles * bits_max * 16 * 16 * (8 if self.stage_chunks == 8 else 2)
+        return 2 * one if self.shared_act else one
 
     def check_ring(self, bits_max: int) -> None:
         """Raises ValueError where each warp's ring cannot hold what the kernel streams at `bits_max` planes."""
         if self.ring_kb * 1024 < self.min_ring_bytes(bits_max):
             raise ValueError(f"stage_chunks={self.stage_chunks}, row_tiles={self.row_tiles} at bits_max={bits_max} needs "
                              f"ring_kb >= {-(-self.min_ring_bytes(bits_max) // 1024)} "
-                             f"({self.sa_stages if self.shared_act else 1} stage(s) of {bits_max} planes), got {self.ring_kb}")
+                             f"({2 if self.shared_act else 1} stage(s) of {bits_max} planes), got {self.ring_kb}")
 
 
 def fold_unsupported(w: APMoEWeights) -> str | None:
@@ -194,7 +207,7 @@ def gemv_defines(mode: int, cfg: FoldConfig, bits_max: int, group_size: int, com
             f"-DRING={cfg.ring_kb * 1024}", f"-DSC={cfg.stage_chunks}", f"-DSPD={cfg.scale_stages}", f"-DBPF={int(cfg.act_prefetch)}",
             f"-DL2PF={cfg.l2_prefetch}", f"-DRT={cfg.row_tiles}", f"-DPDL={int(cfg.pdl)}",
             f"-DSA={int(cfg.shared_act)}", f"-DSAS={cfg.sa_stages}", f"-DSPLIT={int(cfg.split_chains)}",
-            f"-DNW={cfg.warps}"]
+            f"-DNW={cfg.warps}", f"-DSUMR={int(cfg.sums_in_ring)}", f"-DSAH={int(cfg.sums_ahead)}"]
 
 
 def prep_defines(cfg: FoldConfig, group_size: int, compute: int, x_dtype: torch.dtype) -> list[str]:
@@ -260,9 +273,13 @@ def default_fold_configs(m: int, topk: int, w13: APMoEWeights, w2: APMoEWeights,
     # blocks of slots: the activations through the block-shared ring, w13's 4 warps on one K range (4 readers of each
     # stage; splitting K over 2 or 4 warps measured slower with the ring)
     shared_act = not direct
-    cfg13 = FoldConfig(n_tiles=nt, direct=direct, wk=1 if shared_act else wk, pdl=pdl, shared_act=shared_act)
+    # at two n-tiles each stage's group sums ride the activation ring (twice the sums per stage: read from L2 at the
+    # stage's start they cost more than the ring's extra bytes; at one n-tile they measured even or slower)
+    sums = shared_act and nt == 2
+    cfg13 = FoldConfig(n_tiles=nt, direct=direct, wk=1 if shared_act else wk, pdl=pdl, shared_act=shared_act,
+                       sums_in_ring=sums)
     cfg2 = FoldConfig(n_tiles=nt, direct=direct, k_per_split=_split_chunks(chunks2, gc2, splits), pdl=pdl,
-                      shared_act=shared_act)
+                      shared_act=shared_act, sums_in_ring=sums)
     if nt == 2 and w2.bits_max <= W2_ROW_TILES_MAX_PLANES:
         cfg2 = replace(cfg2, row_tiles=W2_ROW_TILES_AT_TWO_N_TILES, min_blocks=W2_MIN_BLOCKS_AT_TWO_N_TILES)
     return cfg13, cfg2

@@ -73,8 +73,8 @@
 #define SPD 3  // stages ahead that the (scale, offset) loads run
 #endif
 #ifndef SC
-#define SC 4  // chunks per ring stage (4: 64-byte row pieces per plane, 8: 128-byte pieces; 2 above 4 bits when
-             // the ring would otherwise hold only one stage)
+#define SC 4  // chunks per ring stage (2: 32-byte row pieces per plane, 4: 64-byte, 8: 128-byte; 4 halves to 2 where
+             // the ring would otherwise hold too few stages)
 #endif
 #ifndef RT
 #define RT 1  // row tiles (16 rows each) per warp, all multiplying the same activation fragments
@@ -86,10 +86,16 @@
 #define SA 0  // activations through a block-shared ring in shared memory (filled with cp.async by the warps that read it)
 #endif
 #ifndef SAS
-#define SAS 2  // SA: stages of the activation ring (and of the plane ring): 2 or 3
+#define SAS 2  // SA: stages of the activation ring (2, 3 or 4); the plane rings run as many where they hold them, else 2
 #endif
 #ifndef SPLIT
 #define SPLIT 0  // q <= 4: the two mma of each code word into two accumulator sets (chains of half the length)
+#endif
+#ifndef SUMR
+#define SUMR 0  // SA: each stage's group sums come through the activation ring (cp.async), read from shared memory
+#endif
+#ifndef SAH
+#define SAH 0  // not SA: each stage's group sums are loaded a stage ahead (registers), not at the stage's start
 #endif
 #define SA_STAGES SAS
 #ifndef PDL
@@ -98,8 +104,8 @@
 #if L2PF != 0 && L2PF != 128 && L2PF != 256
 #error "L2PF must be 0, 128 or 256"
 #endif
-#if SC != 4 && SC != 8
-#error "SC must be 4 or 8"
+#if SC != 2 && SC != 4 && SC != 8
+#error "SC must be 2, 4 or 8"
 #endif
 #if DIRECT && (NT != 1 || MODE == 2)
 #error "DIRECT needs NT 1 and an MoE mode"
@@ -113,11 +119,17 @@
 #if RT != 1 && RT != 2 && RT != 4
 #error "RT must be 1, 2 or 4"
 #endif
-#if SAS != 2 && SAS != 3
-#error "SAS must be 2 or 3"
+#if SAS != 2 && SAS != 3 && SAS != 4
+#error "SAS must be 2, 3 or 4"
 #endif
 #if SA && DIRECT
 #error "SA needs blocks of 8 NT slots (not DIRECT)"
+#endif
+#if SUMR && !SA
+#error "SUMR needs SA (the sums ride the activation ring)"
+#endif
+#if SAH && SA
+#error "SAH is for the path without SA"
 #endif
 
 #ifndef NW
@@ -132,7 +144,8 @@
 #define CHUNK 128
 #define GC (G / CHUNK)                      // chunks per group
 #define UNIT_CHUNK_ELEMS (NT * 4 * 32 * 8)  // 16-bit activation values of one unit and chunk
-#define ACT_RING_BYTES (SA_STAGES * SC * UNIT_CHUNK_ELEMS * 2)  // SA: one K range's activation ring (the widest stage)
+#define SUM_CHUNK_BYTES (SUMR ? SLOTS * 4 : 0)  // SUMR: one chunk's group sums (float32 per slot) in the ring
+#define ACT_RING_BYTES (SA_STAGES * SC * (UNIT_CHUNK_ELEMS * 2 + SUM_CHUNK_BYTES))  // SA: one K range's activation ring (the widest stage)
 
 #include "cuda_common.cuh"
 
@@ -303,7 +316,8 @@ __device__ __forceinline__ int k_range_of_warp(int bz, int wk, int chunks, int k
 // stage (every warp runs the same nstages, including those whose rows or K range are empty).
 template <int Q>
 __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, const float* xs, int n_table, int K,
-                                          unsigned char* ring, u32 act_ring, const int* ra, const int* rb, int c_begin,
+                                          unsigned char* ring, u32 act_ring, const unsigned char* act_ring_ptr,
+                                          const int* ra, const int* rb, int c_begin,
                                           int c_end, int span, float (*y)[NT][4]) {
     // chunks per stage: SC, halved where two stages (SA: SA_STAGES) of RT tiles of Q planes would not fit the ring
     // (5-8 bits, or more than one tile, in the 8 KB ring)
@@ -314,12 +328,16 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     constexpr int TILE_BYTES = Q * PLANE_BYTES;
     constexpr int STAGE_BYTES = RT * TILE_BYTES;
     constexpr int DR = RING / STAGE_BYTES;
-    // stages in flight (1: the warp waits for each stage); SA: the activation ring's SA_STAGES
+    // ring slots (D - 1 stages in flight; 1: the warp waits for each stage); SA: the activation ring's SA_STAGES where
+    // the plane ring holds that many stages of Q planes, else fewer (the activation ring then leaves slots unused)
     constexpr int D = SA ? (DR < SA_STAGES ? DR : SA_STAGES) : (DR > 8 ? 8 : (DR < 1 ? 1 : DR));
     static_assert(DR >= 1, "RING must hold one stage of PMAX planes");
-    static_assert(!SA || D == SA_STAGES, "SA needs the plane ring to hold SA_STAGES stages");
-    constexpr int ACT_STAGE_BYTES = SCQ * UNIT_CHUNK_ELEMS * 2;  // one stage of the K range's activations
-    constexpr int ACT_STAGE_PIECES = ACT_STAGE_BYTES / 16;  // 16-byte copies of one stage (SA)
+    static_assert(!SA || D >= 2, "SA needs the plane ring to hold two stages");
+    constexpr int ACT_DATA_BYTES = SCQ * UNIT_CHUNK_ELEMS * 2;  // one stage of the K range's activations
+    constexpr int ACT_STAGE_BYTES = ACT_DATA_BYTES + SCQ * SUM_CHUNK_BYTES;  // SUMR: then the stage's group sums
+    constexpr int ACT_STAGE_PIECES = ACT_DATA_BYTES / 16;  // 16-byte copies of one stage's activations (SA)
+    constexpr int SUM_PIECES = SCQ * SUM_CHUNK_BYTES / 16;  // SUMR: 16-byte copies of its sums (one per lane)
+    static_assert(SUM_PIECES <= WR * 32, "SUMR: a stage's sums must take one copy per lane of the K range");
     constexpr int ACT_PIECES = (ACT_STAGE_PIECES + WR * 32 - 1) / (WR * 32);  // per lane (the last may be idle)
     const int nstages = (span + SCQ - 1) / SCQ;  // span: chunks from c_begin (SA: the same for every warp of the block)
     const int lane = threadIdx.x & 31;
@@ -397,6 +415,14 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
                 cp_async16(base + (u32)piece * 16,
                            xf + (long long)c * UNIT_CHUNK_ELEMS + (piece % (UNIT_CHUNK_ELEMS / 8)) * 8);
             }
+            // SUMR: the sums of the stage's group-end chunks inside the K range (the others are never read)
+            if (SUMR && piece0 < SUM_PIECES) {
+                constexpr int PER_CHUNK = SUM_CHUNK_BYTES / 16 > 0 ? SUM_CHUNK_BYTES / 16 : 1;
+                const int i = piece0 / PER_CHUNK, c = c_begin + si * SCQ + i;
+                if (c < c_end && (c + 1) % GC == 0)
+                    cp_async16(base + (u32)(ACT_DATA_BYTES + piece0 * 16),
+                               xs + (long long)((c * CHUNK) / G) * SLOTS + (piece0 % PER_CHUNK) * 4);
+            }
         }
     };
     // (scale, offset) of each tile's rows ra, rb for the group of stage position t + 4 h
@@ -439,6 +465,26 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
         }
     };
 
+    // group sums (L2) of stage si's group-end chunks inside the K range, 0 elsewhere
+    auto load_sums = [&](int si, float2 (*S)[NT]) {
+#pragma unroll
+        for (int i = 0; i < SCQ; ++i) {
+            const int c = c_begin + si * SCQ + i;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                S[i][nt] = make_float2(0.f, 0.f);
+                if ((c + 1) % GC == 0 && c < c_end) {
+                    const long long grp = (c * CHUNK) / G;
+#if DIRECT
+                    S[i][nt] = make_float2(t == 0 ? ld_sum(xs + grp) : 0.f, 0.f);
+#else
+                    S[i][nt] = ld_sum2(xs + grp * SLOTS + nt * 8 + 2 * t);
+#endif
+                }
+            }
+        }
+    };
+
     if (SA) {
         // the planes of the first D - 1 stages while the kernel before finishes; the activations it writes after
         // pdl_wait (cp.async group 0 then holds those planes and stage 0's activations)
@@ -478,6 +524,8 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     // the activations and their sums are the previous kernel's output: everything above reads only planes and tables
     pdl_wait();
     if (PREFETCH) load_act(c_begin, 0, bq[0]);
+    float2 S_nx[SAH ? SCQ : 1][NT];  // SAH: the next stage's group sums
+    if constexpr (SAH) load_sums(0, S_nx);
 
     for (int si = 0; si < nstages; ++si) {
         if (SA) {
@@ -512,22 +560,18 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
                     for (int k = 0; k < 4; ++k) sc[d][h][r][k] = sc[d + 1][h][r][k];
 #pragma unroll
         for (int h = 0; h < NH; ++h) load_scales(si + PD, h, sc[PD - 1][h]);
-        // group sums of the stage's groups (L2), loaded before the stage's work
-        float2 S_st[SCQ][NT];
+        // group sums of the stage's groups: SUMR from the activation ring, read at each group's end; else from L2,
+        // loaded before the stage's work (SAH: during the stage before, into S_nx)
+        float2 S_st[SUMR ? 1 : SCQ][NT];
+        if constexpr (!SUMR) {
+            if constexpr (SAH) {
 #pragma unroll
-        for (int i = 0; i < SCQ; ++i) {
-            const int c = c_begin + si * SCQ + i;
+                for (int i = 0; i < SCQ; ++i)
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                S_st[i][nt] = make_float2(0.f, 0.f);
-                if ((c + 1) % GC == 0 && c < c_end) {
-                    const long long grp = (c * CHUNK) / G;
-#if DIRECT
-                    S_st[i][nt] = make_float2(t == 0 ? ld_sum(xs + grp) : 0.f, 0.f);
-#else
-                    S_st[i][nt] = ld_sum2(xs + grp * SLOTS + nt * 8 + 2 * t);
-#endif
-                }
+                    for (int nt = 0; nt < NT; ++nt) S_st[i][nt] = S_nx[i][nt];
+                load_sums(si + 1, S_nx);
+            } else {
+                load_sums(si, S_st);
             }
         }
         // No per-chunk guard (one n-tile): a chunk at or past c_end (the last stage of a slice) multiplies whatever
@@ -544,7 +588,16 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
                 else if (!PREFETCH) load_act(min(c, c_end - 1), si, bq[0]);
                 else load_act(min(c + 1, c_end - 1), si, bq[PREFETCH ? ((i + 1) & 1) : 0]);
                 const bool group_end = (c + 1) % GC == 0;
-                const float2* S = S_st[i];
+                float2 S_sm[NT];  // SUMR: this chunk's sums from the ring (0 past the K range: see above)
+                if constexpr (SUMR) {
+                    if (group_end) {
+                        const unsigned char* ps = act_ring_ptr + (si % D) * ACT_STAGE_BYTES + ACT_DATA_BYTES + i * SUM_CHUNK_BYTES;
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt)
+                            S_sm[nt] = c < c_end ? *(const float2*)(ps + (nt * 8 + 2 * t) * 4) : make_float2(0.f, 0.f);
+                    }
+                }
+                const float2* S = SUMR ? S_sm : S_st[SUMR ? 0 : i];
 #pragma unroll
                 for (int r = 0; r < RT; ++r) {
                     // plane words of this chunk and tile: w[p][0] row g, w[p][1] row g + 8, word t
@@ -733,9 +786,10 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
         const u16* xfu = xf + (long long)unit * chunks * UNIT_CHUNK_ELEMS;
         const float* xsu = xs + (long long)unit * (K / G) * SLOTS;
         unsigned char* ring = smem + warp * RING;
-        const u32 act_ring = smem_u32(smem + NWARPS * RING + wk * ACT_RING_BYTES);  // SA: this K range's
+        const unsigned char* act_ring_ptr = smem + NWARPS * RING + wk * ACT_RING_BYTES;  // SA: this K range's
+        const u32 act_ring = smem_u32(act_ring_ptr);
 #define CALL_ROWS(Q) \
-    warp_rows<(Q <= PMAX ? Q : 1)>(prow, xfu, xsu, n_table, K, ring, act_ring, ra, rb, c_begin, c_end, \
+    warp_rows<(Q <= PMAX ? Q : 1)>(prow, xfu, xsu, n_table, K, ring, act_ring, act_ring_ptr, ra, rb, c_begin, c_end, \
                                    SA ? per : c_end - c_begin, y)
         Q_SWITCH(q, CALL_ROWS)
 #undef CALL_ROWS

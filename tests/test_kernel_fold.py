@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from pagedweight.kernels import ap_fused_moe, ap_linear
 from pagedweight.kernels.config import prefer_fold
+from pagedweight.kernels import cuda_fold
 from pagedweight.kernels.cuda_fold import (
     CHUNK,
     DEFAULT_RING_KB,
@@ -57,14 +60,21 @@ def test_every_variant_compiles_for_sm90(mode):
                 FoldConfig(2, row_tiles=2, ring_kb=16, shared_act=True, pdl=True, min_blocks=3),
                 FoldConfig(1, shared_act=True, sa_stages=3, ring_kb=12, split_chains=True), FoldConfig(2, split_chains=True),
                 FoldConfig(1, shared_act=True, warps=8, min_blocks=2, pdl=True),
-                FoldConfig(2, shared_act=True, warps=16, min_blocks=1), FoldConfig(2, wk=2, warps=8, min_blocks=2)):
+                FoldConfig(2, shared_act=True, warps=16, min_blocks=1), FoldConfig(2, wk=2, warps=8, min_blocks=2),
+                FoldConfig(1, shared_act=True, sums_in_ring=True, pdl=True),
+                FoldConfig(1, wk=2, shared_act=True, sums_in_ring=True, stage_chunks=8, ring_kb=32),
+                FoldConfig(2, shared_act=True, sums_in_ring=True, warps=16, min_blocks=1),
+                FoldConfig(1, wk=2, sums_ahead=True), FoldConfig(2, sums_ahead=True, pdl=True),
+                FoldConfig(1, shared_act=True, stage_chunks=2, sa_stages=4, pdl=True),
+                FoldConfig(2, shared_act=True, stage_chunks=2, sa_stages=4, sums_in_ring=True, row_tiles=2,
+                           ring_kb=16, min_blocks=3), FoldConfig(1, wk=2, stage_chunks=2)):
         for bits_max, group, compute in ((8, 128, 0), (4, 256, 1)):
             jobs.append(functools.partial(compile_to_cubin, gemv_defines(mode, cfg, bits_max, group, compute, out=compute),
                                           "90"))
     if mode != 2:
-        for wk in (1, 4):
-            jobs.append(functools.partial(compile_to_cubin, gemv_defines(mode, FoldConfig(1, direct=True, wk=wk), 8, 128, 0, 2),
-                                          "90"))
+        for cfg in (FoldConfig(1, direct=True), FoldConfig(1, direct=True, wk=4),
+                    FoldConfig(1, direct=True, sums_ahead=True, pdl=True)):
+            jobs.append(functools.partial(compile_to_cubin, gemv_defines(mode, cfg, 8, 128, 0, 2), "90"))
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for cfg in (FoldConfig(1), FoldConfig(2), FoldConfig(1, direct=True), FoldConfig(1, pdl=True)):
             jobs.append(functools.partial(compile_to_cubin, prep_defines(cfg, 128, 0, dtype), "90", name="ap_fold_prep"))
@@ -103,19 +113,43 @@ def test_shared_activations_size_their_ring_and_are_refused_where_they_do_not_ap
     assert FoldConfig(1, shared_act=True).min_ring_bytes(8) == 2 * FoldConfig(1).min_ring_bytes(8) == 8 * 1024
     assert "-DSA=1" in gemv_defines(1, FoldConfig(shared_act=True), 8, 128, 0)
     three = FoldConfig(1, shared_act=True, sa_stages=3, ring_kb=12)
-    assert three.shared_bytes == 4 * 12 * 1024 + 3 * 4 * 2048 and three.min_ring_bytes(8) == 12 * 1024
+    assert three.shared_bytes == 4 * 12 * 1024 + 3 * 4 * 2048 and three.min_ring_bytes(8) == 8 * 1024
     assert "-DSAS=3" in gemv_defines(1, three, 8, 128, 0)
+    # narrow stages: four activation stages of two chunks take the shared memory two of four took
+    four = FoldConfig(1, shared_act=True, sa_stages=4, stage_chunks=2)
+    assert four.shared_bytes == FoldConfig(1, shared_act=True).shared_bytes and "-DSC=2" in gemv_defines(1, four, 8, 128, 0)
     with pytest.raises(ValueError, match="sa_stages must be one of"):
-        FoldConfig(1, shared_act=True, sa_stages=4)
-    with pytest.raises(ValueError, match=r"ring_kb >= 12 \(3 stage\(s\) of 8 planes\)"):
-        FoldConfig(1, shared_act=True, sa_stages=3).check_ring(8)
-    FoldConfig(1, shared_act=True, sa_stages=3, ring_kb=12).check_ring(8)
+        FoldConfig(1, shared_act=True, sa_stages=5)
+    with pytest.raises(ValueError, match="stage_chunks must be one of"):
+        FoldConfig(1, stage_chunks=16)
+    # the plane ring must hold two stages of the parent's planes (more stages run where it holds more)
+    with pytest.raises(ValueError, match=r"ring_kb >= 32 \(2 stage\(s\) of 8 planes\)"):
+        FoldConfig(1, shared_act=True, stage_chunks=8, ring_kb=16).check_ring(8)
+    FoldConfig(1, shared_act=True, sa_stages=3).check_ring(8)
     with pytest.raises(ValueError, match="shared_act needs blocks of 8 n_tiles slots"):
         FoldConfig(1, direct=True, shared_act=True)
     with pytest.raises(ValueError, match="more than the .* a block may have"):
         FoldConfig(2, wk=4, ring_kb=40, stage_chunks=8, shared_act=True)
     with pytest.raises(RuntimeError, match="SA needs blocks of 8 NT slots"):
         compile_to_cubin(gemv_defines(0, FoldConfig(1, direct=True), 8, 128, 0) + ["-DSA=1"], "90")
+
+
+def test_group_sums_in_the_ring_or_a_stage_ahead_size_and_refuse():
+    """sums_in_ring adds one float per slot and chunk to each activation ring stage (and rides only that ring);
+    sums_ahead is the path without the ring; the kernel refuses either where it does not apply."""
+    ring = FoldConfig(2, wk=2, shared_act=True)
+    assert dataclasses.replace(ring, sums_in_ring=True).shared_bytes == ring.shared_bytes + 2 * 2 * 4 * 16 * 4
+    assert FoldConfig(1, sums_ahead=True).shared_bytes == FoldConfig(1).shared_bytes
+    assert "-DSUMR=1" in gemv_defines(1, dataclasses.replace(ring, sums_in_ring=True), 4, 128, 0)
+    assert "-DSAH=1" in gemv_defines(0, FoldConfig(1, direct=True, sums_ahead=True), 4, 128, 0)
+    with pytest.raises(ValueError, match="sums_in_ring needs shared_act"):
+        FoldConfig(1, sums_in_ring=True)
+    with pytest.raises(ValueError, match="sums_ahead is for the path without shared_act"):
+        FoldConfig(1, shared_act=True, sums_ahead=True)
+    with pytest.raises(RuntimeError, match="SUMR needs SA"):
+        compile_to_cubin(gemv_defines(1, FoldConfig(1), 4, 128, 0) + ["-DSUMR=1"], "90")
+    with pytest.raises(RuntimeError, match="SAH is for the path without SA"):
+        compile_to_cubin(gemv_defines(1, FoldConfig(1, shared_act=True), 4, 128, 0) + ["-DSAH=1"], "90")
 
 
 def test_warps_per_block_size_the_block_rings_and_registers():
@@ -278,6 +312,9 @@ def test_configs_and_refusals():
     assert all(c.shared_act for c in default_fold_configs(16, 2, w13, w2, num_sms=132) + (big, big2))
     assert default_fold_configs(16, 2, w13, w2, num_sms=132)[0].wk == big.wk == 1
     assert not any(c.shared_act for c in default_fold_configs(1, 4, w13, w2, num_sms=132))
+    # the group sums ride the activation ring at two n-tiles only
+    assert big.sums_in_ring and big2.sums_in_ring and big4_2.sums_in_ring
+    assert not any(c.sums_in_ring or c.sums_ahead for c in default_fold_configs(16, 2, w13, w2, num_sms=132) + (one, one2))
     assert "CUDA" in fold_unsupported(w13)
     bcq = random_ap_projection(1, 64, 256, [4], table_kind="bcq", bits_min=4).weights
     g32 = random_ap_projection(1, 64, 256, [4], table_kind="ubcq", group_size=32, bits_min=4).weights
@@ -394,7 +431,43 @@ def reference_layouts() -> list[tuple[FoldConfig, FoldConfig]]:
                     FoldConfig(2, shared_act=True, warps=8, min_blocks=2)))
     layouts.append((FoldConfig(2, wk=2, shared_act=True, warps=16, min_blocks=1),
                     FoldConfig(2, wk=2, shared_act=True, warps=8, min_blocks=2, pdl=True)))
+    # group sums through the activation ring (K split over warps, w2 slices of one chunk, 8-chunk stages, group 256
+    # in test_moe_group_sizes) or loaded a stage ahead (one pair per block, blocks without the ring)
+    layouts.append((FoldConfig(1, wk=2, shared_act=True, sums_in_ring=True, pdl=True),
+                    FoldConfig(1, k_per_split=128, shared_act=True, sums_in_ring=True)))
+    layouts.append((FoldConfig(2, shared_act=True, sums_in_ring=True, stage_chunks=8, ring_kb=32),
+                    FoldConfig(2, k_per_split=256, shared_act=True, sums_in_ring=True, row_tiles=2, ring_kb=16,
+                               min_blocks=3, pdl=True)))
+    layouts.append((FoldConfig(1, direct=True, sums_ahead=True, pdl=True),
+                    FoldConfig(1, direct=True, k_per_split=128, sums_ahead=True)))
+    layouts.append((FoldConfig(2, wk=2, sums_ahead=True), FoldConfig(2, k_per_split=128, sums_ahead=True)))
+    # narrow stages: four (three) ring stages of two chunks at <= 4 planes, two at 5-8 (the activation ring's other
+    # slots unused); without the ring, four plane stages of two chunks in each warp's ring
+    layouts.append((FoldConfig(1, wk=2, shared_act=True, stage_chunks=2, sa_stages=4, pdl=True),
+                    FoldConfig(1, k_per_split=256, shared_act=True, stage_chunks=2, sa_stages=3, sums_in_ring=True)))
+    layouts.append((FoldConfig(2, shared_act=True, stage_chunks=2, sa_stages=4, sums_in_ring=True),
+                    FoldConfig(2, shared_act=True, stage_chunks=2, sa_stages=4, row_tiles=2, ring_kb=16, min_blocks=3)))
+    layouts.append((FoldConfig(1, direct=True, stage_chunks=2, wk=2), FoldConfig(1, direct=True, stage_chunks=2)))
     return layouts
+
+
+@pytest.fixture(scope="module")
+def reference_kernels_built():
+    """Every kernel the reference layouts launch (bf16, 8-plane parents, groups of 128) built on all cores first:
+    NVRTC releases the GIL, so the GPU test pays a fraction of the ~100 serial builds (the job tuples are
+    `_compiled`'s positional arguments as `_gemv` and `_prep` pass them, so its cache serves the launches)."""
+    jobs = []
+    for c13, c2 in reference_layouts():
+        for mode, cfg in ((0, c13), (1, c2)):
+            jobs.append((cuda_fold._SOURCE, "ap_fold_gemv", tuple(gemv_defines(mode, cfg, 8, 128, 0, 0)), 0,
+                         cfg.shared_bytes))
+        jobs.append((cuda_fold._SOURCE, "ap_fold_prep", tuple(prep_defines(c13, 128, 0, torch.bfloat16)), 0))
+    def build(job):
+        torch.cuda.set_device(0)  # the module load needs the device's context current in this thread
+        return cuda_fold._compiled(*job)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        list(pool.map(build, set(jobs)))
 
 
 def test_reference_layouts_share_one_block_layout():
@@ -407,7 +480,7 @@ def test_reference_layouts_share_one_block_layout():
 
 @needs_cuda
 @pytest.mark.parametrize("num_experts,topk,m,pattern", MOE_REFERENCE_CASES)
-def test_moe_matches_reference(num_experts, topk, m, pattern):
+def test_moe_matches_reference(num_experts, topk, m, pattern, reference_kernels_built):
     hidden, inter = 640, 384  # w13: K = 640 (a partial ring stage); w2: K = 384 (three chunks)
     bits13, bits2 = mixed_bits(num_experts)
     p13, p2 = _layer(num_experts, hidden, inter, bits13, bits2, seed=num_experts + m)
@@ -434,6 +507,12 @@ def test_moe_group_sizes_and_real_intermediate(group):
         if m > 1:  # two mma chains summed at each group's end (a group of 256: two chunks per chain)
             split = (FoldConfig(1, shared_act=True, split_chains=True), FoldConfig(1, shared_act=True, split_chains=True))
             assert rel_err(ap_fused_moe_fold(x, tw, ids, p13.weights, p2.weights, configs=split), ref) < 2e-2
+            # the group sums through the activation ring (a group of 256: only every other chunk's sums are copied)
+            sums = (FoldConfig(1, shared_act=True, sums_in_ring=True), FoldConfig(1, shared_act=True, sums_in_ring=True))
+            assert rel_err(ap_fused_moe_fold(x, tw, ids, p13.weights, p2.weights, configs=sums), ref) < 2e-2
+        else:  # one pair per block, the sums a stage ahead
+            ahead = (FoldConfig(1, direct=True, sums_ahead=True), FoldConfig(1, direct=True, sums_ahead=True))
+            assert rel_err(ap_fused_moe_fold(x, tw, ids, p13.weights, p2.weights, configs=ahead), ref) < 2e-2
 
 
 @needs_cuda
