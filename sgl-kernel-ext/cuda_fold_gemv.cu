@@ -94,6 +94,9 @@
 #ifndef SUMR
 #define SUMR 0  // SA: each stage's group sums come through the activation ring (cp.async), read from shared memory
 #endif
+#ifndef ACT_CLAMP_ALWAYS
+#define ACT_CLAMP_ALWAYS 0  // SA: every stage's activation copies clamp each chunk (the A/B baseline of the fast path)
+#endif
 #ifndef SAH
 #define SAH 0  // not SA: each stage's group sums are loaded a stage ahead (registers), not at the stage's start
 #endif
@@ -377,6 +380,12 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     const int toff = n_table * ngroups;
     const u16* xl = xf + lane * 8;
     const int piece0 = (((int)threadIdx.x >> 5) % WR) * 32 + lane;  // SA: this lane's first copy of a stage
+    // SA: 16-byte pieces per chunk, and the address of this lane's first piece at stage 0. Its other pieces lie at offsets
+    // fixed at compile time (WR * 32 and PPC are powers of two, one a multiple of the other), so a stage inside the K
+    // range copies from one address per lane; only a stage that reaches past it clamps each chunk
+    constexpr int PPC = UNIT_CHUNK_ELEMS / 8;
+    static_assert((WR * 32) % PPC == 0 || PPC % (WR * 32) == 0, "SA: lanes per K range and pieces per chunk must nest");
+    const u16* act_lane = xf + (long long)(c_begin + piece0 / PPC) * UNIT_CHUNK_ELEMS + (piece0 % PPC) * 8;
 
     // the planes of stage si into ring slot si % D
     auto issue_planes = [&](int si) {
@@ -406,14 +415,25 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     auto issue_acts = [&](int si) {
         if (SA && si < nstages) {
             const u32 base = act_ring + (u32)((si % D) * ACT_STAGE_BYTES);
+            if (!ACT_CLAMP_ALWAYS && c_begin + (si + 1) * SCQ <= c_end) {
+                // the whole stage inside the K range: each piece at a fixed offset from this lane's address
+                const u16* src = act_lane + (long long)si * SCQ * UNIT_CHUNK_ELEMS;
 #pragma unroll
-            for (int j = 0; j < ACT_PIECES; ++j) {
-                const int piece = piece0 + j * WR * 32;
-                if (ACT_STAGE_PIECES % (WR * 32) != 0 && piece >= ACT_STAGE_PIECES) break;
-                const int i = piece / (UNIT_CHUNK_ELEMS / 8);  // chunk of the stage
-                const int c = max(0, min(c_begin + si * SCQ + i, c_end - 1));
-                cp_async16(base + (u32)piece * 16,
-                           xf + (long long)c * UNIT_CHUNK_ELEMS + (piece % (UNIT_CHUNK_ELEMS / 8)) * 8);
+                for (int j = 0; j < ACT_PIECES; ++j) {
+                    const int piece = piece0 + j * WR * 32;
+                    if (ACT_STAGE_PIECES % (WR * 32) != 0 && piece >= ACT_STAGE_PIECES) break;
+                    cp_async16(base + (u32)piece * 16,
+                               src + (j * WR * 32 / PPC) * UNIT_CHUNK_ELEMS + ((j * WR * 32) % PPC) * 8);
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < ACT_PIECES; ++j) {
+                    const int piece = piece0 + j * WR * 32;
+                    if (ACT_STAGE_PIECES % (WR * 32) != 0 && piece >= ACT_STAGE_PIECES) break;
+                    const int i = piece / PPC;  // chunk of the stage
+                    const int c = max(0, min(c_begin + si * SCQ + i, c_end - 1));
+                    cp_async16(base + (u32)piece * 16, xf + (long long)c * UNIT_CHUNK_ELEMS + (piece % PPC) * 8);
+                }
             }
             // SUMR: the sums of the stage's group-end chunks inside the K range (the others are never read)
             if (SUMR && piece0 < SUM_PIECES) {
