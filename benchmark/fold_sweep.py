@@ -66,7 +66,7 @@ def candidates(c13, c2, w2, names=None):
         if not c13.direct:  # the activations through a block-shared ring (w13 with 1 / 2 / 4 warps per K range)
             table.update({
                 "sa": both(c13, c2, shared_act=True),
-                "nosa_wk2": (replace(c13, shared_act=False, wk=2), replace(c2, shared_act=False)),  # the rule before it
+                "nosa_wk2": (replace(c13, shared_act=False, sums_in_ring=False, wk=2), replace(c2, shared_act=False, sums_in_ring=False)),  # the rule before it
                 "sa13": (replace(c13, shared_act=True), c2),
                 "sa2": (c13, replace(c2, shared_act=True)),
                 "sa_wk1": (replace(c13, shared_act=True, wk=1), replace(c2, shared_act=True)),
@@ -116,6 +116,8 @@ def candidates(c13, c2, w2, names=None):
             table["sc2"] = both(c13, c2, stage_chunks=2)  # four plane stages of two chunks in each warp's ring
             table["sc2_sah"] = both(c13, c2, stage_chunks=2, sums_ahead=True)
         kps = c2.k_per_split or w2.K
+        if kps < w2.K:  # w2 in half the K slices
+            table["w2h"] = (c13, replace(c2, k_per_split=min(w2.K, 2 * kps)))
         for f in (2, 4):  # w2 cut into f times as many K slices (more blocks when there are few pairs)
             k = max(w2.group_size, kps // f // w2.group_size * w2.group_size)
             if k < kps:

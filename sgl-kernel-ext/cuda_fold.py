@@ -55,6 +55,9 @@ DEFAULT_L2_PREFETCH = 128
 # docs/results/kernel.md session 14)
 W2_FILL_BLOCKS_PER_SM = 3.5
 W2_MIN_SLICE_CHUNKS = 14
+# one pair per block (one token): a grid below a wave at 4 blocks per SM gains from slices down to 3 chunks (a short
+# w2 too: Qwen1.5-MoE 4 slices of 3 chunks, Qwen3 2 of 3; fold_sweep.py w2s2, docs/results/kernel.md session 22)
+W2_MIN_SLICE_CHUNKS_DIRECT = 3
 # w2 at two n-tiles of a parent of at most 4 planes: two 16-row tiles per warp share each chunk's activation load,
 # at 3 blocks per SM for the registers (the split count is chosen at one row tile, as measured). Where experts may
 # commit up to 8 planes, one tile measured faster at 8 bits and on mixed bitwidths (with an 8 or a 16 KB ring), and
@@ -267,8 +270,9 @@ def default_fold_configs(m: int, topk: int, w13: APMoEWeights, w2: APMoEWeights,
     while units * row_blocks2 * splits < target and splits * 2 <= chunks2 // gc2:
         splits *= 2
     # then towards a full wave at the register-bound occupancy, while each slice keeps enough stages
+    min_slice = W2_MIN_SLICE_CHUNKS_DIRECT if direct else W2_MIN_SLICE_CHUNKS
     while (units * row_blocks2 * splits < W2_FILL_BLOCKS_PER_SM * num_sms and splits * 2 <= chunks2 // gc2
-           and chunks2 // (splits * 2) >= W2_MIN_SLICE_CHUNKS):
+           and -(-chunks2 // (splits * 2)) >= min_slice):
         splits *= 2
     # blocks of slots: the activations through the block-shared ring, w13's 4 warps on one K range (4 readers of each
     # stage; splitting K over 2 or 4 warps measured slower with the ring)

@@ -292,6 +292,8 @@ def test_configs_and_refusals():
     assert one.direct and one2.direct and one.wk == 2  # the block's warps split K
     assert default_fold_configs(1, 4, w13, w2, num_sms=264)[0].wk == 4  # fewer blocks than the target
     assert one2.k_per_split % w2.group_size == 0 and one2.k_per_split < w2.K
+    # blocks of slots keep slices of 14 chunks or more (here: one)
+    assert default_fold_configs(4, 4, w13, w2, num_sms=132)[1].k_per_split == w2.K
     big, big2 = default_fold_configs(64, 2, w13, w2, num_sms=132)  # 16 pairs per expert: two n-tiles
     assert not big.direct and big.n_tiles == big2.n_tiles == 2
     # an 8-plane parent keeps one row tile; at <= 4 stored planes and two n-tiles w2's warps hold two row tiles
@@ -321,11 +323,14 @@ def test_configs_and_refusals():
     assert "ubcq" in fold_unsupported(bcq) and "multiple of 128" in fold_unsupported(g32)
     odd2 = random_ap_projection(1, 2048, 704, [4], table_kind="ubcq", group_size=64, bits_min=4).weights
     assert "group size 64" in fold_unsupported(odd2) and fold_moe_unsupported(w13, odd2) is not None
-    # w2 of a long intermediate takes more K slices at one token (towards a full wave); a short one does not
+    # w2 of a long intermediate takes more K slices at one token (towards a full wave), a short one slices of 3 chunks
     mx13 = random_ap_projection(2, 2 * 14336, 256, [4] * 2, table_kind="ubcq", bits_min=4, bits_max=4).weights
     mx2 = random_ap_projection(2, 4096, 14336, [4] * 2, table_kind="ubcq", bits_min=4, bits_max=4).weights
     assert 14336 // default_fold_configs(1, 2, mx13, mx2, num_sms=132)[1].k_per_split == 4  # 4 slices of 28 chunks
-    assert one2.k_per_split == 6 * 128  # Qwen1.5-MoE's 11 chunks: 2 slices, as before
+    assert one2.k_per_split == 3 * 128  # Qwen1.5-MoE's 11 chunks: 4 slices of 3
+    q3_13 = random_ap_projection(8, 2 * 384, 2048, [4] * 8, table_kind="ubcq", bits_min=4).weights
+    q3_2 = random_ap_projection(8, 2048, 384, [4] * 8, table_kind="ubcq", bits_min=4).weights
+    assert default_fold_configs(1, 8, q3_13, q3_2, num_sms=132)[1].k_per_split == 384  # 3 chunks: one slice
     x = torch.randn(3, 2048)
     with pytest.raises(ValueError, match="not on a CUDA device"):
         ap_linear(x, w13, kernel="fold")
