@@ -19,7 +19,8 @@ from dataclasses import replace
 
 import torch
 
-from pagedweight.kernels.cuda_fold import DEFAULT_MIN_BLOCKS, ap_fused_moe_fold, default_fold_configs, device_launch_facts
+from pagedweight.kernels.cuda_fold import (DEFAULT_MIN_BLOCKS, FoldConfig, ap_fused_moe_fold, default_fold_configs,
+                                           device_launch_facts)
 from pagedweight.kernels.testing import random_ap_projection
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -150,6 +151,12 @@ def candidates(c13, c2, w2, names=None):
             yield f"w2 k_per_split={k}", (c13, replace(c2, k_per_split=k))
 
 
+def changed(cfg: FoldConfig) -> dict:
+    """The fields of a config that differ from FoldConfig()'s (the rows stay small; the rest is the code's default)."""
+    base = FoldConfig()
+    return {k: v for k, v in vars(cfg).items() if v != getattr(base, k)}
+
+
 def kernel_times(call) -> dict:
     g = torch.cuda.CUDAGraph()
     call()
@@ -202,10 +209,10 @@ def main() -> None:
             c13, c2 = default_fold_configs(M, topk, w13, w2, sms, pdl=pdl)
             if not args.no_profile:
                 kt = kernel_times(lambda: ap_fused_moe_fold(x, tw, ids, w13, w2, configs=(c13, c2)))
-                rows.append(dict(model=mk, M=M, cand="kernels", kernel_us=kt, cfg13=vars(c13), cfg2=vars(c2)))
+                rows.append(dict(model=mk, M=M, cand="kernels", kernel_us=kt, cfg13=changed(c13), cfg2=changed(c2)))
                 print(f"{mk} M={M} kernels: {kt}", flush=True)
             for name, cfgs in candidates(c13, c2, w2, [c for c in args.candidates.split(",") if c]):
-                r = dict(model=mk, case=case, M=M, cand=name, cfg13=vars(cfgs[0]), cfg2=vars(cfgs[1]))
+                r = dict(model=mk, case=case, M=M, cand=name, cfg13=changed(cfgs[0]), cfg2=changed(cfgs[1]))
                 try:
                     ap_fused_moe_fold(x, tw, ids, w13, w2, configs=cfgs)
                     r["us"] = graph_time(lambda: ap_fused_moe_fold(x, tw, ids, w13, w2, configs=cfgs), args.reps, flush)["median"]
