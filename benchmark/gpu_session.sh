@@ -28,6 +28,10 @@
 #   bash benchmark/gpu_session.sh tp2       # two GPUs: stock --tp 2 vs PagedWeight --tp 2 (burst, held plan,
 #                                           # reload) vs a server started at the held plan; TP2_SYSTEMS picks
 #                                           # servers, results append to /tmp/tp2/tp2.json across calls
+#   bash benchmark/gpu_session.sh tp_overhead # two TP processes on one GPU (benchmark/tp_overhead_bench.py, issue #20): the
+#                                           # PagedWeight step and its TP agreement per rank, steady and offload/reload,
+#                                           # beside the shard's MoE decode step at batch 1 and 16 (TPO_MODELS, TPO_ITERS;
+#                                           # needs SGLang from the devicekit; nothing of it has run on a GPU yet)
 #   bash benchmark/gpu_session.sh longbench # MoEfied SmolLM2 rebuilt from /tmp/sc (carried pieces), LongBench-format
 #                                           # work at one budget: stock bf16 vs uniform AP vs PagedWeight
 # Writes everything under $OUT (default out/gpu).
@@ -237,6 +241,15 @@ if [ "$stage" = tp2 ]; then
   pkill -f "sglang[.]launch_server"; sleep 3
   cp $work/tp2.json $work/tp2.md $work/tp2_held_plan.json "$OUT/" 2>/dev/null
   tar czf "$OUT/tp2_logs.tgz" -C $work logs tp2.log
+fi
+if [ "$stage" = tp_overhead ]; then
+  # SGLang's launcher cannot start two TP ranks on one GPU; the harness spawns them itself (gloo, both on cuda:0).
+  # qwen15moe writes tp_overhead.json (issue #20's headline), any other model tp_overhead_<model>.json.
+  for m in ${TPO_MODELS:-qwen15moe}; do
+    f="$OUT/tp_overhead.json"; [ "$m" = qwen15moe ] || f="$OUT/tp_overhead_$m.json"
+    timeout "${TPO_TIMEOUT:-420}" python3 benchmark/tp_overhead_bench.py --model "$m" --iters "${TPO_ITERS:-2000}" \
+      --out "$f" 2>&1 | grep -v "^\[rank[01]\]:W" | tail -60
+  done
 fi
 if [ "$stage" = longbench ]; then
   # The carried pieces were copied to /tmp/sc by each call (benchmark/device_build_smollm2_moe.py prepare).

@@ -33,7 +33,8 @@ from typing import Any, Optional
 import requests
 
 from pagedweight.bench.burst import BurstSpec, run_burst
-from pagedweight.bench.scenario import SystemSpec, add_run_args, paged_state, run_system, server_info, start_results
+from pagedweight.bench.scenario import (SystemSpec, add_run_args, paged_state, run_system, server_info, start_results,
+                                        write_results)
 
 
 def _post(url: str, path: str, body: Optional[dict] = None, timeout: float = 120) -> Any:
@@ -285,9 +286,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         doc["headline"] = headline(doc["systems"])
         out.write_text(json.dumps(doc, indent=1))  # after every server: a later failure keeps what ran
     doc["headline"] = headline(doc["systems"])
-    out.write_text(json.dumps(doc, indent=1))
-    out.with_suffix(".md").write_text(markdown(doc))
-    print(json.dumps(doc["headline"], indent=1))
+    write_results(out, doc, markdown(doc))
     return 0
 
 

@@ -135,6 +135,15 @@ def run_system(spec: SystemSpec, common: list[str], workload: Workload, opts: Ru
     return result
 
 
+def write_results(out: Path, doc: dict[str, Any], markdown: str) -> None:
+    """A benchmark's results document at `out`, its markdown beside it (.md), and its headline on stdout."""
+    import json
+
+    out.write_text(json.dumps(doc, indent=1))
+    out.with_suffix(".md").write_text(markdown)
+    print(json.dumps(doc["headline"], indent=1))
+
+
 def machine_description() -> str:
     import platform
 
