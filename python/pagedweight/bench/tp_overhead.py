@@ -4,6 +4,8 @@ A rank builds what a PagedWeight `--tp N` server builds for its shard, through t
 
 - the expert stores of every MoE layer at the model's shard shapes, from `DummyLayerSource` (what
   `--load-format dummy` loads: random AP planes, intermediate size divided by the TP size);
+- routing statistics that differ between the ranks (each rank's MoE inputs are its own), so their plans agree only
+  through the TP agreement;
 - the weights side through `serving.builder.build_weights` (page table, plane arena, budget, pager, and the
   FenceLedger of TP > 1), which is what `patches/model_runner.py` calls after load_model;
 - a real SGLang KV pool (MHATokenToKVPool at the shard's KV heads, every layer), its TokenToKVPoolAllocator and a
@@ -149,6 +151,14 @@ class _Pressure:
             self.held = []
 
 
+def _sample_routing(stores: list, rank: int) -> None:
+    """Each rank's routing statistics, drawn differently (seeded by the rank), as two ranks whose MoE inputs are not
+    bit-identical would record them: the ranks plan from the source rank's sample only while the agreement works."""
+    g = torch.Generator().manual_seed(rank)
+    for store in stores:
+        store.routing_mass.copy_(torch.rand(store.routing_mass.shape, generator=g) * 100)
+
+
 def _routing(m: int, shape: ShardShape, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(shape.experts, generator=g)[:shape.topk] for _ in range(m)]).to(torch.int32)
@@ -263,6 +273,7 @@ def _run(rank: int, spec: RunSpec) -> None:
     cfg = PagedWeightConfig(enable=True, bits=spec.bits, floor_bits=spec.floor_bits, policy=spec.policy)
     t0 = time.monotonic()
     stores = _stores(shape, cfg, device)
+    _sample_routing(stores, rank)
     runtime = build_weights(cfg, stores, device, tp_world_size=spec.tp)
     extra = max(0, int(runtime.weight_bytes()) - int(runtime.bytes_at_floor()))  # patches/kv_cache.max_extra_kv_bytes
     kv, alloc, tree = _kv_cache(shape, spec.kv_tokens, extra, device)
