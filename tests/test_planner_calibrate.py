@@ -60,30 +60,29 @@ def calibrated(request, tmp_path_factory):
     return model, tok, blocks, text, data
 
 
-def _independent_routing(model, tok, text):
-    """Per MoE layer: (hidden [T, H], ids [T, k], weights [T, k], dloss/dout [T, H]) from the sparse block's
-    input, its router and the gradient of the prompt's summed next-token loss at the block's output."""
+def routing_by_hand(model, tok, text, sites) -> dict:
+    """Per MoE layer: (hidden [T, H], ids [T, k], weights [T, k], dloss/dout [T, H]) over the calibration prompts.
+    `sites`: (layer, in_module, route, grad_module, grad_of_input) per MoE layer: `route(in_module, x)` maps the
+    input of `in_module` to the experts' (hidden, ids, weights); dloss/dout is the gradient of the prompt's summed
+    next-token loss at `grad_module`'s output (its input when grad_of_input)."""
     out, outputs = {}, {}
     hooks = []
-    for ref in find_moe_layers(model):
-        block = model.get_submodule(ref.name.rsplit(".", 1)[0])
-
-        def pre_hook(mod, args, layer=ref.layer):
-            h = args[0].reshape(-1, args[0].shape[-1]).detach().float()
+    for layer, in_module, route, grad_module, grad_of_input in sites:
+        def pre_hook(mod, args, layer=layer, route=route):
             with torch.no_grad():
-                if hasattr(mod, "route_tokens_to_experts"):  # glm4_moe, deepseek_v2: the gate gives logits only
-                    ids, weights = mod.route_tokens_to_experts(mod.gate(h[None]))  # [1, T, H] in
-                    ids, weights = ids.reshape(h.shape[0], -1), weights.reshape(h.shape[0], -1)
-                else:
-                    _, weights, ids = mod.gate(h)
-            out.setdefault(layer, []).append([h, ids, weights.float()])
+                h, ids, weights = route(mod, args[0].reshape(-1, args[0].shape[-1]).detach().float())
+            out.setdefault(layer, []).append([h, ids.reshape(h.shape[0], -1), weights.reshape(h.shape[0], -1).float()])
 
-        def hook(mod, args, output, layer=ref.layer):
-            y = output[0] if isinstance(output, tuple) else output
+        def keep(y, layer):
             y.retain_grad()
             outputs[layer] = y
 
-        hooks += [block.register_forward_pre_hook(pre_hook), block.register_forward_hook(hook)]
+        hooks.append(in_module.register_forward_pre_hook(pre_hook))
+        if grad_of_input:
+            hooks.append(grad_module.register_forward_pre_hook(lambda mod, args, layer=layer: keep(args[0], layer)))
+        else:
+            hooks.append(grad_module.register_forward_hook(
+                lambda mod, args, y, layer=layer: keep(y[0] if isinstance(y, tuple) else y, layer)))
     with torch.enable_grad():
         for ids in prompts_from_text(text, tok, OPTIONS):
             x = torch.tensor([ids])
@@ -97,9 +96,33 @@ def _independent_routing(model, tok, text):
     return {k: tuple(torch.cat(x) for x in zip(*v)) for k, v in out.items()}
 
 
-def test_sensitivity_and_mass_match_independent_recomputation(calibrated):
-    model, tok, blocks, text, data = calibrated
-    routing = _independent_routing(model, tok, text)
+def _route_with_gate(mod, h):
+    if hasattr(mod, "route_tokens_to_experts"):  # glm4_moe, deepseek_v2: the gate gives logits only
+        ids, weights = mod.route_tokens_to_experts(mod.gate(h[None]))  # [1, T, H] in
+    else:
+        _, weights, ids = mod.gate(h)
+    return h, ids, weights
+
+
+def _independent_routing(model, tok, text):
+    """The sparse block's input, its router, and the gradient at the block's output."""
+    sites = []
+    for ref in find_moe_layers(model):
+        block = model.get_submodule(ref.name.rsplit(".", 1)[0])
+        sites.append((ref.layer, block, _route_with_gate, block, False))
+    return routing_by_hand(model, tok, text, sites)
+
+
+def silu_and_grad(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(g), silu'(g)) in closed form."""
+    sig = torch.sigmoid(g)
+    return torch.nn.functional.silu(g), sig * (1 + g * (1 - sig))
+
+
+def assert_matches_routing(data, model, blocks, routing, act_and_grad=silu_and_grad) -> None:
+    """Routing masses (eq. 1) and the w13 / w2 sensitivities at every bit of experts 0 and E-1 of each MoE layer,
+    recomputed by hand from `routing` ({layer: (hidden, ids, weights, dloss/dout)}) and the closed-form activation
+    and its derivative `act_and_grad`."""
     for ref in find_moe_layers(model):
         hidden, ids, weights, grad = routing[ref.layer]
         # eq. 1 by hand
@@ -114,13 +137,14 @@ def test_sensitivity_and_mass_match_independent_recomputation(calibrated):
             gate, up = (w.double() for w in ref.gate_up(e))
             down = ref.down(e).double()
             g, u = x @ gate.T, x @ up.T
-            a = torch.nn.functional.silu(g) * u
-            # gate/up errors through the SiLU-gate Jacobian (closed form) and down's columns, weighted by f
-            sig = torch.sigmoid(g)
-            j_gate, j_up = sig * (1 + g * (1 - sig)) * u, torch.nn.functional.silu(g)  # [T, I]
+            act_g, act_grad = act_and_grad(g)
+            a = act_g * u
+            # gate/up errors through the gating Jacobian (closed form) and down's columns, weighted by f
+            j_gate, j_up = act_grad * u, act_g  # [T, I]
             c = f @ down**2  # [T, I]
-            for b in (2, 3, 4):
-                wg, wu, wd = (blocks.weight_at(f"{ref.layer}.{e}.{p}", b).double() for p in ("gate", "up", "down"))
+            for b in range(blocks.identity.bits_min, blocks.identity.bits_max + 1):
+                wg, wu, wd = (blocks.weight_at(blocks.block_name(ref.layer, e, p), b).double()
+                              for p in ("gate", "up", "down"))
                 s13 = float(sum(torch.einsum("tn,tn,tk,nk->", c, j**2, x**2, (w - wq) ** 2) / x.shape[0]
                                 for j, w, wq in ((j_gate, gate, wg), (j_up, up, wu))))
                 s2 = float(torch.einsum("tm,tj,mj->", f, a**2, (down - wd) ** 2) / x.shape[0])
@@ -129,6 +153,11 @@ def test_sensitivity_and_mass_match_independent_recomputation(calibrated):
             # more bits, less damage (on these random weights the fitted error shrinks with every plane)
             s = data.sensitivity[(ref.layer, e, "w13")]
             assert s.s(2) > s.s(3) > s.s(4) > 0
+
+
+def test_sensitivity_and_mass_match_independent_recomputation(calibrated):
+    model, tok, blocks, text, data = calibrated
+    assert_matches_routing(data, model, blocks, _independent_routing(model, tok, text))
 
 
 def test_features_heads_and_buckets_are_consistent(calibrated):

@@ -214,8 +214,7 @@ def calibrate_model(model, tokenizer, blocks: APBlocks, text: str, options: Cali
                     source: dict | None = None, progress: bool = True) -> CalibrationData:
     from tqdm.auto import tqdm
 
-    cfg = model.config
-    num_layers = int(cfg.num_hidden_layers)
+    num_layers = int(model.config.get_text_config().num_hidden_layers)  # Gemma-4: the decoder's, under text_config
     layers = find_moe_layers(model)
     num_experts = layers[0].num_experts
     if any(ref.num_experts != num_experts for ref in layers):

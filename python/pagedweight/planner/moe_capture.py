@@ -2,9 +2,12 @@
 
 Transformers 5 stores a layer's experts fused in one module (`...mlp.experts` / `...block_sparse_moe.experts`)
 with 3-D parameters `gate_up_proj` [E, 2I, H] (gate rows first, then up) and `down_proj` [E, H, I], called as
-`experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])` (qwen2_moe, qwen3_moe, mixtral, olmoe, glm4_moe, deepseek_v2).
-A forward pre-hook on that module sees exactly what the calibration needs: the layer input and the router's
-choice, per token, after any normalisation of the top-k weights.
+`experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])` (qwen2_moe, qwen3_moe, mixtral, olmoe, glm4_moe,
+deepseek_v2, deepseek_v3). Gemma-4 keeps them one level up, `...layers.N.experts` beside the dense MLP, with GELU
+gating (`act_fn`). A forward pre-hook on that module sees exactly what the calibration needs: the experts' input
+and the router's choice, per token, after whatever the router does (DeepSeek-V3's sigmoid scores with the
+correction bias and grouped top-k, Gemma-4's router norm and per-expert scales, any normalisation and scaling of
+the top-k weights).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-_EXPERTS_NAME = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts")
+_EXPERTS_NAME = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:(?:mlp|block_sparse_moe)\.)?experts")
 
 
 @dataclass
@@ -56,7 +59,8 @@ def find_moe_layers(model: nn.Module) -> list[MoELayerRef]:
         if not (isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3 and down.dim() == 3):
             raise ValueError(
                 f"{name} ({type(module).__name__}) does not hold fused 3-D gate_up_proj/down_proj parameters; "
-                "calibration supports the transformers 5 layout of qwen2_moe, qwen3_moe, mixtral, olmoe, glm4_moe and deepseek_v2"
+                "calibration supports the transformers 5 layout of qwen2_moe, qwen3_moe, mixtral, olmoe, glm4_moe, "
+                "deepseek_v2, deepseek_v3 and gemma4"
             )
         if getattr(module, "is_transposed", False) or getattr(module, "has_gate", True) is False:
             raise ValueError(f"{name}: transposed or gate-less expert layouts are not supported by calibration")
@@ -64,7 +68,7 @@ def find_moe_layers(model: nn.Module) -> list[MoELayerRef]:
             raise ValueError(f"{name}: gate_up_proj {tuple(gu.shape)} and down_proj {tuple(down.shape)} do not fit")
         refs.append(MoELayerRef(int(m[1]), name, module))
     if not refs:
-        raise ValueError("the model has no MoE experts modules (layers.N.mlp.experts); is it an MoE model?")
+        raise ValueError("the model has no MoE experts modules (layers.N.mlp.experts, layers.N.experts); is it an MoE model?")
     return sorted(refs, key=lambda r: r.layer)
 
 

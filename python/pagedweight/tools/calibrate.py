@@ -57,10 +57,11 @@ class CheckpointBlocks:
 def run_calibrate(model_dir: str, ap_dir: str, text_file: str, out: str | None = None,
                   options: CalibrateOptions | None = None, progress: bool = True) -> Path:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from pagedweight.planner.calibration import CALIBRATION_FILENAME
     from pagedweight.planner.calibration_stats import CalibrateOptions, calibrate_model
+    from pagedweight.tools.source_format import load_source_model
 
     options = options or CalibrateOptions()
     model_path = Path(model_dir)
@@ -72,7 +73,7 @@ def run_calibrate(model_dir: str, ap_dir: str, text_file: str, out: str | None =
     text = text_path.read_text(encoding="utf-8", errors="replace")
     blocks = CheckpointBlocks(ap_dir)
     torch.manual_seed(0)
-    model, info = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, output_loading_info=True)
+    model, info = load_source_model(model_path)
     missing = [k for k in info.get("missing_keys", []) if ".experts" in k]
     if missing:
         raise ValueError(f"--model {model_dir} lacks expert weights ({missing[0]}, ...); pass the original Hugging "

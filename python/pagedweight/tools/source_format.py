@@ -4,13 +4,19 @@ Plain sources (bf16 / fp16 / fp32) are read as they are. FP8 block-quantized sou
 the other `quantization_config = {"quant_method": "fp8", "weight_block_size": [bn, bk]}` checkpoints) store each
 linear as float8 values plus a `<name>_scale_inv` tensor of one float32 per bn x bk block (the last blocks of a
 row or column may be partial); the weight is value * scale_inv of its block. Other quantized sources are refused.
+`load_source_model` gives calibration the source as a float32 transformers model, whichever the format.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
+
+from pagedweight.format.arch import draft_layer_of
 
 SCALE_SUFFIX = "_scale_inv"  # "model.layers.0.mlp.experts.0.up_proj.weight" + SCALE_SUFFIX
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -67,3 +73,49 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
         )
     scale = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
     return weight.float() * scale
+
+
+def float32_state_dict(model_dir: Path, config: dict, fmt: SourceFormat) -> dict[str, torch.Tensor]:
+    """Every tensor of the source's safetensors shards in float32 (integer tensors as stored), FP8 weights
+    dequantized with their block scales (which are left out), read shard by shard; the tensors of
+    multi-token-prediction layers (DeepSeek-V3's `num_nextn_predict_layers`, not part of the causal LM) are skipped."""
+    shard_of = {}
+    for shard in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            shard_of.update(dict.fromkeys(f.keys(), shard))
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(shard_of.values())):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(SCALE_SUFFIX) or draft_layer_of(name, config) is not None:
+                    continue
+                tensor = f.get_tensor(name)
+                scale = name + SCALE_SUFFIX
+                if scale in shard_of:
+                    with safe_open(str(shard_of[scale]), framework="pt") as g:
+                        tensor = dequantize_fp8_block(tensor, g.get_tensor(scale), fmt.block, name)
+                elif tensor.dtype in _FP8_DTYPES:
+                    raise SourceFormatError(f"{name}: float8 weights without a {name}{SCALE_SUFFIX} block scale")
+                state[name] = tensor.float() if tensor.is_floating_point() else tensor
+    return state
+
+
+def load_source_model(model_dir: str | Path):
+    """(transformers causal LM in float32 on the CPU, its loading info), for calibration. A plain source
+    (bf16 / fp16 / fp32) loads as it is; an FP8 block-quantized one is dequantized here (float32_state_dict) and
+    handed to transformers as a state dict, its config without quantization_config (transformers' own FP8 path
+    needs accelerate and gives bf16 at best). Either way the float32 model is held in host memory. Any other
+    quantized source is refused in one line (SourceFormat.of_config)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM
+
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    fmt = SourceFormat.of_config(config)
+    if fmt.kind == "plain":
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, output_loading_info=True)
+    state = float32_state_dict(model_dir, config, fmt)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    del hf_config.quantization_config
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]  # the Auto class wants a path beside a state dict
+    return model_class.from_pretrained(None, config=hf_config, state_dict=state, dtype=torch.float32,
+                                       output_loading_info=True)
