@@ -99,7 +99,8 @@ def headline(ranks: list[dict], batches: list[int]) -> dict[str, Any]:
                                 "max": max(rk["regimes"][i]["report_bytes"]["max"] for rk in ranks),
                                 "mean": round(max(rk["regimes"][i]["report_bytes"]["mean"] for rk in ranks), 1)}
                             for i, g in enumerate(regimes)},
-        "moe_decode_step_us_p50": {str(m): max(rk["moe_step_us"][str(m)]["median"] for rk in ranks) for m in batches},
+        "moe_decode_step_us_p50": {str(m): round(max(rk["moe_step_us"][str(m)]["median"] for rk in ranks), 1)
+                                   for m in batches},
         "digest_mismatches": sum(rk["tp"]["digest_mismatches"] for rk in ranks),
         "ranks_identical": identical,
         "transitions_offload_reload": ranks[0]["regimes"][-1]["transitions"],
