@@ -244,7 +244,8 @@ if [ "$stage" = tp2 ]; then
 fi
 if [ "$stage" = tp_overhead ]; then
   # SGLang's launcher cannot start two TP ranks on one GPU; the harness spawns them itself (gloo, both on cuda:0).
-  # qwen15moe writes tp_overhead.json (issue #20's headline), any other model tp_overhead_<model>.json.
+  # qwen15moe writes tp_overhead.json (issue #20's headline), any other model tp_overhead_<model>.json; PW_COMMIT names
+  # the commit in the results (the device copy of the work tree has no .git).
   for m in ${TPO_MODELS:-qwen15moe}; do
     f="$OUT/tp_overhead.json"; [ "$m" = qwen15moe ] || f="$OUT/tp_overhead_$m.json"
     timeout "${TPO_TIMEOUT:-420}" python3 benchmark/tp_overhead_bench.py --model "$m" --iters "${TPO_ITERS:-2000}" \

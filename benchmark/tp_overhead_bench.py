@@ -64,11 +64,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def git_commit() -> str:
-    """HEAD's short hash, '+dirty' when tracked files differ from it."""
+    """HEAD's short hash, '+dirty' when tracked files differ from it; without a git checkout (the device machine
+    gets a copy of the work tree) $PW_COMMIT, else 'unknown'."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
-    head = git("rev-parse", "--short=12", "HEAD") or "unknown"
+    head = git("rev-parse", "--short=12", "HEAD")
+    if not head:
+        return os.environ.get("PW_COMMIT", "unknown")
     return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
