@@ -16,7 +16,7 @@ from pagedweight.tools.convert import convert_checkpoint
 from pagedweight.format.arch import ADAPTERS, PROJS, SHARED, BlockKey
 from pagedweight.format.block import weighted_error
 from pagedweight.format.checkpoint import APCheckpoint
-from pagedweight.format.hessian import calibration_windows, collect_moe_inputs, expert_hessians
+from pagedweight.format.hessian import LayerInputs, calibration_windows, collect_moe_inputs, expert_hessians
 from pagedweight.format.layout import codes_from_planes
 from pagedweight.tools.tiny_model import TINY_CORPUS, TinyMoESizes, make_tiny_moe
 
@@ -136,37 +136,36 @@ def test_calibration_windows_are_seeded_and_bounded():
 
 
 def test_captured_inputs_are_the_moe_block_inputs(models):
-    """The pre-hook captures what the MoE block consumes: feeding it back reproduces the block output."""
-    from transformers import AutoModelForCausalLM
+    """The experts' pre-hook captures what the MoE block consumes and the router's top-k of it; the shared expert
+    sees the same block input (qwen2_moe)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     inputs, used = collect_moe_inputs(models["qwen2_moe"], TINY_CORPUS, 40, seed=0, layers=[0, 1], window=20)
-    assert used == 40 and inputs[1].shape == (40, SIZES.hidden_size)
+    assert used == 40 and inputs[1].routed.shape == (40, SIZES.hidden_size) and inputs[1].topk_ids.shape == (40, 2)
     model = AutoModelForCausalLM.from_pretrained(models["qwen2_moe"], dtype=torch.float32).eval()
-    outputs = []
-    handle = model.model.layers[1].mlp.register_forward_hook(lambda m, a, out: outputs.append(out))
-    from transformers import AutoTokenizer
-
+    block_in = []
+    handle = model.model.layers[1].mlp.register_forward_pre_hook(lambda m, a: block_in.append(a[0].reshape(-1, SIZES.hidden_size)))
     ids = AutoTokenizer.from_pretrained(models["qwen2_moe"])(TINY_CORPUS, add_special_tokens=False).input_ids
     with torch.no_grad():
         for window in calibration_windows(ids, 40, 20, seed=0):
             model(torch.tensor([window]))
         handle.remove()
-        replay = model.model.layers[1].mlp(inputs[1].view(1, 40, -1))
-    replay = replay[0] if isinstance(replay, tuple) else replay
-    captured = torch.cat([o[0] if isinstance(o, tuple) else o for o in outputs], dim=1)
-    assert torch.allclose(replay.view(40, -1), captured.view(40, -1), atol=1e-5)
+        x = torch.cat(block_in)
+        top2 = (x @ model.model.layers[1].mlp.gate.weight.T).topk(2, dim=-1).indices
+    assert torch.allclose(inputs[1].routed, x, atol=1e-6) and torch.allclose(inputs[1].shared, x, atol=1e-6)
+    assert torch.equal(inputs[1].topk_ids.sort(-1).values, top2.sort(-1).values)
 
 
 def test_expert_hessians_match_direct_computation():
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(50, 16, generator=g)
-    router = torch.randn(3, 16, generator=g)
+    x, shared_x = torch.randn(50, 16, generator=g), torch.randn(50, 16, generator=g)
+    top2 = torch.randn(50, 3, generator=g).topk(2).indices
     weights = {BlockKey(0, e, p): torch.randn(8, 16, generator=g) for e in (0, 1, 2, SHARED) for p in ("gate", "up")}
+    gelu = torch.nn.GELU(approximate="tanh")
     hessian, counts = expert_hessians(
-        {0: x}, 2, router=lambda layer: router, expert_weight=lambda key: weights[key],
+        {0: LayerInputs(x, top2, torch.nn.functional.silu, shared_x, gelu)}, expert_weight=lambda key: weights[key],
         experts_of_layer={0: [0, 1, 2, SHARED]},
     )
-    top2 = (x @ router.T).topk(2).indices
     for e in (0, 1, 2):
         routed = x[[t for t in range(50) if e in top2[t].tolist()]]
         assert counts[BlockKey(0, e, "down")] == len(routed)
@@ -174,7 +173,9 @@ def test_expert_hessians_match_direct_computation():
         act = torch.nn.functional.silu(routed @ weights[BlockKey(0, e, "gate")].T) * (routed @ weights[BlockKey(0, e, "up")].T)
         assert torch.allclose(hessian[BlockKey(0, e, "down")], act.square().mean(0))
     assert counts[BlockKey(0, SHARED, "up")] == 50
-    assert torch.allclose(hessian[BlockKey(0, SHARED, "up")], x.square().mean(0))
+    assert torch.allclose(hessian[BlockKey(0, SHARED, "up")], shared_x.square().mean(0))
+    act = gelu(shared_x @ weights[BlockKey(0, SHARED, "gate")].T) * (shared_x @ weights[BlockKey(0, SHARED, "up")].T)
+    assert torch.allclose(hessian[BlockKey(0, SHARED, "down")], act.square().mean(0))
 
 
 @pytest.mark.parametrize("kind", ["bcq", "kmeans"])
@@ -191,10 +192,7 @@ def test_calibrated_conversion_lowers_hessian_weighted_seed_error(models, conver
     inputs, _ = collect_moe_inputs(models["qwen2_moe"], text.read_text(), 200, 0, [0, 1])
     source = load_file(str(models["qwen2_moe"] / "model.safetensors"))
     weights = {calibrated.manifest.tensors[n].key: source[f"{n}.weight"] for n in calibrated.names()}
-    hessian, _ = expert_hessians(
-        inputs, SIZES.top_k, router=lambda layer: source[f"model.layers.{layer}.mlp.gate.weight"],
-        expert_weight=weights.__getitem__, experts_of_layer={l: calibrated.experts(l) for l in (0, 1)},
-    )
+    hessian, _ = expert_hessians(inputs, weights.__getitem__, {l: calibrated.experts(l) for l in (0, 1)})
     total_cal = total_plain = 0.0
     for name in calibrated.names():
         key = calibrated.manifest.tensors[name].key

@@ -60,8 +60,9 @@ def calibrated(request, tmp_path_factory):
     return model, tok, blocks, text, data
 
 
-def routing_by_hand(model, tok, text, sites) -> dict:
-    """Per MoE layer: (hidden [T, H], ids [T, k], weights [T, k], dloss/dout [T, H]) over the calibration prompts.
+def routing_by_hand(model, tok, text, sites, prompts=None) -> dict:
+    """Per MoE layer: (hidden [T, H], ids [T, k], weights [T, k], dloss/dout [T, H]) over the calibration prompts
+    (`prompts`: token id lists, default prompts_from_text).
     `sites`: (layer, in_module, route, grad_module, grad_of_input) per MoE layer: `route(in_module, x)` maps the
     input of `in_module` to the experts' (hidden, ids, weights); dloss/dout is the gradient of the prompt's summed
     next-token loss at `grad_module`'s output (its input when grad_of_input)."""
@@ -84,7 +85,7 @@ def routing_by_hand(model, tok, text, sites) -> dict:
             hooks.append(grad_module.register_forward_hook(
                 lambda mod, args, y, layer=layer: keep(y[0] if isinstance(y, tuple) else y, layer)))
     with torch.enable_grad():
-        for ids in prompts_from_text(text, tok, OPTIONS):
+        for ids in prompts if prompts is not None else prompts_from_text(text, tok, OPTIONS):
             x = torch.tensor([ids])
             logits = model(input_ids=x, use_cache=False).logits
             torch.nn.functional.cross_entropy(logits[0, :-1], x[0, 1:], reduction="sum").backward()

@@ -1,7 +1,8 @@
-"""`pagedweight calibrate` for Gemma-4 (GELU experts stored fused beside the dense MLP, a router with its own norm
-and scales) and DeepSeek-V3 (sigmoid scores, a correction bias, grouped top-k, an MTP layer, FP8 block sources):
-the routing masses and sensitivities equal a recomputation by hand from the tiny model's own tensors, with the
-router written out here (not taken from transformers' modules)."""
+"""Calibration of Gemma-4 (GELU experts stored fused beside the dense MLP, a router with its own norm and scales) and
+DeepSeek-V3 (sigmoid scores, a correction bias, grouped top-k, an MTP layer, FP8 block sources), both kinds:
+`pagedweight calibrate`'s routing masses and sensitivities, and `convert --calib-text`'s input second moments,
+equal a recomputation by hand from the tiny model's own tensors, with the router written out here (not taken
+from transformers' modules); an FP8 source calibrates like its dequantized twin."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pagedweight.format.arch import BlockKey
 from pagedweight.planner.calibration import load_for_checkpoint
 from pagedweight.planner.calibration_stats import calibrate_model
 from pagedweight.planner.moe_capture import find_moe_layers
@@ -36,20 +38,28 @@ def gelu_tanh_and_grad(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---- Gemma-4 -----------------------------------------------------------------------------------------
+def _perturbed_gemma4(root: Path) -> Path:
+    """The tiny Gemma-4 with its router scales and the norms before the experts and the MLP made to matter (the tiny
+    model's are ones), so that a capture that skips one is wrong."""
+    path = make_tiny_moe(root, arch="gemma4", seed=0, sizes=SIZES, dtype="float32")
+    state = load_file(str(path / "model.safetensors"))
+    gen = torch.Generator().manual_seed(1)
+    for i in range(SIZES.num_layers):
+        prefix = f"model.language_model.layers.{i}."
+        state[prefix + "router.proj.weight"] = state[prefix + "router.proj.weight"] * 20
+        for name in ("router.scale", "router.per_expert_scale", "pre_feedforward_layernorm_2.weight",
+                     "pre_feedforward_layernorm.weight"):
+            state[prefix + name] = 0.5 + torch.rand(state[prefix + name].shape, generator=gen)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
 @pytest.fixture(scope="module")
 def gemma4(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = make_tiny_moe(tmp_path_factory.mktemp("gemma4"), arch="gemma4", seed=0, sizes=SIZES, dtype="float32")
+    path = _perturbed_gemma4(tmp_path_factory.mktemp("gemma4"))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    # The tiny model's router scales and norms are ones: make them matter, so that a capture that skips one is wrong
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in model.model.language_model.layers:
-            layer.router.proj.weight.mul_(20.0)
-            layer.router.scale.copy_(0.5 + torch.rand(layer.router.scale.shape, generator=gen))
-            layer.router.per_expert_scale.copy_(0.5 + torch.rand(layer.router.per_expert_scale.shape, generator=gen))
-            layer.pre_feedforward_layernorm_2.weight.copy_(0.5 + torch.rand(SIZES.hidden_size, generator=gen))
     tok = AutoTokenizer.from_pretrained(path)
     blocks = QuantizedBlocks(model)
     data = calibrate_model(model, tok, blocks, TEXT, OPTIONS, source={"text": "tiny"}, progress=False)
@@ -220,3 +230,109 @@ def test_v3_masses_and_sensitivities_match_grouped_sigmoid_routing_by_hand(v3):
     plain = (hidden @ mlp.gate.weight.T).topk(V3_SIZES.top_k, dim=-1).indices
     assert (plain.sort(-1).values != ids.sort(-1).values).any(-1).sum() > 0
     assert_matches_routing(data, model, blocks, routing)
+
+
+# ---- `convert --calib-text`: the converter's input second moments --------------------------------------------
+CALIB_TOKENS = 300  # a window of 256 and one of 44
+
+
+def _converter_hessians(model_dir: Path, text: Path):
+    """HessianStats of `convert --calib-text` on model_dir."""
+    from pagedweight.tools.convert import ConvertOptions, SourceModel, _calibrate
+
+    return _calibrate(SourceModel.scan(model_dir), ConvertOptions(calib_text=text, calib_tokens=CALIB_TOKENS))
+
+
+def _calibration_windows(tok) -> list[list[int]]:
+    from pagedweight.format.hessian import calibration_windows
+
+    return calibration_windows(tok(TEXT, add_special_tokens=False).input_ids, CALIB_TOKENS, 256, seed=0)
+
+
+def _assert_hessians(stats, layer: int, routing, shared_x, expert, act, shared_act) -> None:
+    """h of every routed expert (tokens the router chose, by hand) and of the shared expert (all tokens of its
+    input), with the activation written out: `expert(e)` -> (W_gate, W_up) of a routed expert, "shared" too."""
+    hidden, ids = routing[layer][0], routing[layer][1]
+    for e in [*range(SIZES.num_experts), "shared"]:
+        x = shared_x if e == "shared" else hidden[(ids == e).any(-1)]
+        gate, up = expert(e)
+        a = (shared_act if e == "shared" else act)(x @ gate.T)[0] * (x @ up.T)
+        assert stats.tokens_per_block[BlockKey(layer, e, "gate")] == x.shape[0] > 0
+        for proj, h in (("gate", x.square().mean(0)), ("up", x.square().mean(0)), ("down", a.square().mean(0))):
+            torch.testing.assert_close(stats.hessian[BlockKey(layer, e, proj)], h, rtol=1e-4, atol=1e-7)
+
+
+def test_gemma4_convert_calib_text_hessians_follow_its_router_and_gelu(gemma4, tmp_path):
+    path, _, tok, _, _ = gemma4
+    text = tmp_path / "calib.txt"
+    text.write_text(TEXT)
+    stats = _converter_hessians(path, text)
+    assert stats.num_tokens == CALIB_TOKENS
+    model, _ = load_source_model(path)
+    layers = model.model.language_model.layers
+    shared_in = {i: [] for i in range(len(layers))}
+
+    def route_and_keep_mlp_input(i, layer):
+        route = _gemma4_route(layer)
+
+        def both(mod, r):
+            norm = layer.pre_feedforward_layernorm  # what the dense MLP (the shared expert) sees: its RMS norm of r
+            shared_in[i].append(r * (r.pow(2).mean(-1, keepdim=True) + norm.eps).pow(-0.5) * norm.weight)
+            return route(mod, r)
+
+        return both
+
+    sites = [(i, layer.pre_feedforward_layernorm, route_and_keep_mlp_input(i, layer), layer.post_feedforward_layernorm_2,
+              True) for i, layer in enumerate(layers)]
+    routing = routing_by_hand(model, tok, TEXT, sites, prompts=_calibration_windows(tok))
+    state = load_file(str(path / "model.safetensors"))
+    inter = SIZES.moe_intermediate_size
+    for i in range(SIZES.num_layers):
+        prefix = f"model.language_model.layers.{i}."
+
+        def expert(e, prefix=prefix):
+            if e == "shared":
+                return state[prefix + "mlp.gate_proj.weight"], state[prefix + "mlp.up_proj.weight"]
+            fused = state[prefix + "experts.gate_up_proj"][e]  # gate rows first
+            return fused[:inter], fused[inter:]
+
+        _assert_hessians(stats, i, routing, torch.cat(shared_in[i]), expert, gelu_tanh_and_grad, gelu_tanh_and_grad)
+
+
+def test_gemma4_converts_with_calib_text(gemma4, tmp_path):
+    from pagedweight.format.checkpoint import APCheckpoint
+
+    text = tmp_path / "calib.txt"
+    text.write_text(TEXT)
+    out = convert_checkpoint(gemma4[0], tmp_path / "ap", bits_min=2, bits_max=4, group_size=64, calib_text=text,
+                             calib_tokens=CALIB_TOKENS, progress=False)
+    ckpt = APCheckpoint.open(out)
+    assert ckpt.manifest.calibration == {"source": "calib.txt", "num_tokens": CALIB_TOKENS}
+    ckpt.verify(deep=True, progress=False)
+
+
+def test_v3_convert_calib_text_hessians_follow_grouped_sigmoid_routing(v3, tmp_path):
+    from transformers import AutoTokenizer
+
+    text = tmp_path / "calib.txt"
+    text.write_text(TEXT)
+    fp8_dir, twin_dir = v3["fp8"][0], v3["twin"][0]
+    stats, twin_stats = _converter_hessians(fp8_dir, text), _converter_hessians(twin_dir, text)
+    assert set(stats.hessian) == set(twin_stats.hessian)
+    for key, h in stats.hessian.items():  # the FP8 source calibrates like its dequantized twin
+        torch.testing.assert_close(h, twin_stats.hessian[key], rtol=1e-6, atol=0)
+    model, _ = load_source_model(twin_dir)
+    tok = AutoTokenizer.from_pretrained(twin_dir)
+    mlp = model.model.layers[1].mlp
+    routing = routing_by_hand(model, tok, TEXT, [(1, mlp, _v3_route(mlp), mlp, False)],
+                              prompts=_calibration_windows(tok))
+    state = load_file(str(twin_dir / "model.safetensors"))
+    prefix = "model.layers.1.mlp."
+
+    def expert(e):
+        name = prefix + ("shared_experts" if e == "shared" else f"experts.{e}")
+        return state[f"{name}.gate_proj.weight"], state[f"{name}.up_proj.weight"]
+
+    silu = lambda g: (torch.nn.functional.silu(g), None)  # noqa: E731
+    _assert_hessians(stats, 1, routing, routing[1][0], expert, silu, silu)
+    assert {k.layer for k in stats.hessian} == {1}  # the MTP layer 2 is not calibrated (nor paged)

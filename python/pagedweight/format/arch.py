@@ -48,7 +48,6 @@ class ArchAdapter:
     # 3-D tensors holding every routed expert of a layer (groups: layer, "gate_up_proj" | "down_proj"), as Gemma-4
     # checkpoints store them; the converter splits them into the per-expert names `routed` matches (format/fused_experts.py)
     fused: re.Pattern | None = None
-    calibration: bool = True  # `convert --calib-text` can recompute this family's routing (SiLU experts, plain router)
 
     def classify(self, hf_name: str) -> BlockKey | None:
         """BlockKey of an expert linear weight name, None for every other tensor."""
@@ -105,7 +104,6 @@ def _gemma4(model_type: str, layers: str) -> ArchAdapter:
         _QWEN_PROJS,
         ("num_experts",),
         fused=re.compile(rf"{layers}\.(\d+)\.experts\.(gate_up_proj|down_proj)"),
-        calibration=False,
     )
 
 

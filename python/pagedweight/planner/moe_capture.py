@@ -72,6 +72,19 @@ def find_moe_layers(model: nn.Module) -> list[MoELayerRef]:
     return sorted(refs, key=lambda r: r.layer)
 
 
+def shared_expert_module(model: nn.Module, ref: MoELayerRef) -> nn.Module | None:
+    """The shared expert beside `ref`'s experts: `mlp.shared_expert` (qwen2_moe), `mlp.shared_experts` (glm4_moe,
+    deepseek_v2/v3), or Gemma-4's dense `mlp` beside `layers.N.experts`; None when the layer has none."""
+    parent_name, _, _ = ref.name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    for attr in ("shared_expert", "shared_experts"):
+        if isinstance(getattr(parent, attr, None), nn.Module):
+            return getattr(parent, attr)
+    if not parent_name.endswith((".mlp", ".block_sparse_moe")) and isinstance(getattr(parent, "mlp", None), nn.Module):
+        return parent.mlp  # the experts hang off the decoder layer itself: the MLP beside them is the shared expert
+    return None
+
+
 @dataclass
 class LayerCapture:
     """Everything routed through one MoE layer, concatenated over prompts (host, float32)."""

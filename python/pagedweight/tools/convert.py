@@ -33,7 +33,8 @@ from pagedweight.format.layout import DEFAULT_TABLE_KIND, TABLE_KINDS, is_groupe
 from pagedweight.format.manifest import AP_SUBDIR, ModelInfo
 from pagedweight.format.quantize import effective_group_size, quantize_block
 from pagedweight.format.weight_errors import TensorError, WeightErrors
-from pagedweight.tools.source_format import SCALE_SUFFIX, SourceFormat, SourceFormatError, dequantize_fp8_block
+from pagedweight.tools.source_format import (SCALE_SUFFIX, SourceFormat, SourceFormatError, dequantize_fp8_block,
+                                             load_source_model)
 
 logger = logging.getLogger(__name__)
 
@@ -234,6 +235,11 @@ class SourceModel:
         with safe_open(str(self.shard_of[name]), framework="pt") as f:
             return f.get_tensor(name)
 
+    def weight(self, name: str) -> torch.Tensor:
+        """An expert weight in float32: one expert's slice of a fused tensor, an FP8 one dequantized."""
+        with safe_open(str(self.shard_of[name]), framework="pt") as f:
+            return _read_weight(f, name, self.scale_ref(name), self.fmt, self.fused.get(name))
+
     def scale_ref(self, name: str) -> tuple[Path, str] | None:
         """(shard, tensor name) of `name`'s FP8 block scale; None for a weight stored plainly."""
         scale = self.scales.get(name)
@@ -269,39 +275,15 @@ def _read_weight(f, name: str, scale: tuple[Path, str] | None, fmt: SourceFormat
         raise ConversionError(str(exc)) from exc
 
 
-def _router_name(source: SourceModel, layer: int) -> str:
-    candidates = [f"model.layers.{layer}.mlp.gate.weight", f"model.layers.{layer}.block_sparse_moe.gate.weight"]
-    for name in candidates:
-        if name in source.shard_of:
-            return name
-    raise ConversionError(f"{source.model_dir}: no router weight for layer {layer} (looked for {candidates})")
-
-
 def _calibrate(source: SourceModel, opts: ConvertOptions):
     from pagedweight.format.hessian import HessianStats, collect_moe_inputs, expert_hessians
 
-    if not source.adapter.calibration:
-        raise ConversionError(
-            f"--calib-text: calibration does not cover {source.adapter.model_type} yet (its experts are not SiLU-gated "
-            "or its router is not a plain linear); convert without --calib-text (uniform weights)"
-        )
-    act = source.config.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConversionError(f"calibration assumes SiLU-gated experts, the model uses hidden_act={act!r}")
-    top_k = source.config.get("num_experts_per_tok")
-    if not isinstance(top_k, int):
-        raise ConversionError("config.json has no integer num_experts_per_tok; cannot recompute routing")
     text = Path(opts.calib_text).read_text(encoding="utf-8", errors="replace")  # type: ignore[arg-type]
     experts_of_layer = source.experts_of_layer()
-    inputs, used = collect_moe_inputs(source.model_dir, text, opts.calib_tokens, opts.seed, sorted(experts_of_layer))
+    inputs, used = collect_moe_inputs(source.model_dir, text, opts.calib_tokens, opts.seed, sorted(experts_of_layer),
+                                      load_model=lambda path: load_source_model(path)[0])
     expert_names = {k: n for n, k in source.experts.items()}
-    hessian, counts = expert_hessians(
-        inputs,
-        top_k,
-        router=lambda layer: source.read(_router_name(source, layer)),
-        expert_weight=lambda key: source.read(expert_names[key]),
-        experts_of_layer=experts_of_layer,
-    )
+    hessian, counts = expert_hessians(inputs, lambda key: source.weight(expert_names[key]), experts_of_layer)
     return HessianStats(Path(opts.calib_text).name, used, hessian, counts)  # type: ignore[arg-type]
 
 
@@ -393,11 +375,6 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, **options: An
     opts.validate()
     model_dir, out = Path(model_dir), Path(out_dir)
     source = SourceModel.scan(model_dir)
-    if opts.calib_text is not None and source.fmt.kind != "plain":
-        raise ConversionError(
-            f"--calib-text: calibration runs the model in transformers, which needs an unquantized source, and "
-            f"{model_dir} is {source.fmt.label}; convert it without --calib-text (uniform weights)"
-        )
     _check_expert_shapes(source, opts)
 
     partial = _prepare_output(model_dir, out, opts.force)
