@@ -70,7 +70,12 @@ def test_every_variant_compiles_for_sm90(mode):
                 FoldConfig(1, wk=2, sums_ahead=True), FoldConfig(2, sums_ahead=True, pdl=True),
                 FoldConfig(1, shared_act=True, stage_chunks=2, sa_stages=4, pdl=True),
                 FoldConfig(2, shared_act=True, stage_chunks=2, sa_stages=4, sums_in_ring=True, row_tiles=2,
-                           ring_kb=16, min_blocks=3), FoldConfig(1, wk=2, stage_chunks=2))):
+                           ring_kb=16, min_blocks=3), FoldConfig(1, wk=2, stage_chunks=2),
+                FoldConfig(1, shared_act=True, producer=True, pdl=True),
+                FoldConfig(2, wk=2, shared_act=True, producer=True, sums_in_ring=True, sa_stages=3, ring_kb=12,
+                           min_blocks=3),
+                FoldConfig(2, shared_act=True, producer=True, sums_in_ring=True, row_tiles=2, ring_kb=16, min_blocks=3),
+                FoldConfig(1, shared_act=True, producer=True, stage_chunks=2, sa_stages=4, warps=8, min_blocks=2))):
         bits_max, group, compute = ((8, 128, 0), (4, 256, 1))[(i + mode) % 2]
         jobs.append(functools.partial(compile_to_cubin, gemv_defines(mode, cfg, bits_max, group, compute, out=compute),
                                       "90"))
@@ -155,6 +160,22 @@ def test_group_sums_in_the_ring_or_a_stage_ahead_size_and_refuse():
         compile_to_cubin(gemv_defines(1, FoldConfig(1), 4, 128, 0) + ["-DSUMR=1"], "90")
     with pytest.raises(RuntimeError, match="SAH is for the path without SA"):
         compile_to_cubin(gemv_defines(1, FoldConfig(1, shared_act=True), 4, 128, 0) + ["-DSAH=1"], "90")
+
+
+def test_producer_warp_adds_one_warp_and_the_stage_barriers():
+    """producer: one more warp per block (launched, and counted against the SM's warps) and a full and an empty
+    mbarrier per activation-ring stage after the rings; only with the shared activation ring."""
+    sa = FoldConfig(1, shared_act=True, sa_stages=3, ring_kb=12, min_blocks=3)
+    prod = dataclasses.replace(sa, producer=True)
+    assert (sa.block_warps, prod.block_warps) == (4, 5) and prod.rows_per_block == sa.rows_per_block
+    assert prod.shared_bytes == sa.shared_bytes + 2 * 3 * 8
+    assert "-DPROD=1" in gemv_defines(1, prod, 4, 128, 0) and "-DPROD=0" in gemv_defines(1, sa, 4, 128, 0)
+    with pytest.raises(ValueError, match="producer needs shared_act"):
+        FoldConfig(1, producer=True)
+    with pytest.raises(ValueError, match="blocks of 17 warps exceed the 64 warps"):
+        FoldConfig(1, shared_act=True, producer=True, warps=16, min_blocks=4)
+    with pytest.raises(RuntimeError, match="PROD needs SA"):
+        compile_to_cubin(gemv_defines(1, FoldConfig(1), 4, 128, 0) + ["-DPROD=1"], "90")
 
 
 def test_warps_per_block_size_the_block_rings_and_registers():
@@ -362,13 +383,15 @@ def test_linear_matches_reference(n, k, group, bits):
 
 @needs_cuda
 def test_linear_explicit_configs_and_large_activations():
-    """K cut into one-group slices (many atomics), two n-tiles for three rows (padding slots), and activations
-    far beyond fp16's range (bf16 keeps them)."""
+    """K cut into one-group slices (many atomics), two n-tiles for three rows (padding slots), a producer warp, and
+    activations far beyond fp16's range (bf16 keeps them)."""
     proj = random_ap_projection(1, 520, 1280, [5], table_kind="ubcq", bits_min=2, device="cuda")
     x = torch.randn(3, 1280, device="cuda", dtype=torch.bfloat16)
     ref = ap_linear_reference(x.float(), proj.weights)
     for cfg in (FoldConfig(1, k_per_split=128), FoldConfig(2, k_per_split=384), FoldConfig(2), FoldConfig(1, wk=4),
-                FoldConfig(1, row_tiles=2, min_blocks=3), FoldConfig(2, k_per_split=256, row_tiles=4, ring_kb=16)):
+                FoldConfig(1, row_tiles=2, min_blocks=3), FoldConfig(2, k_per_split=256, row_tiles=4, ring_kb=16),
+                FoldConfig(1, wk=2, shared_act=True, producer=True),
+                FoldConfig(2, k_per_split=384, shared_act=True, producer=True, sums_in_ring=True, ring_kb=16)):
         assert rel_err(ap_linear_fold(x, proj.weights, 0, None, cfg), ref) < 2e-2, cfg
     big = (torch.randn(3, 1280, device="cuda") * torch.tensor([[1.0], [1e6], [3e4]], device="cuda")).to(torch.bfloat16)
     out = ap_linear_fold(big, proj.weights, 0, None)
@@ -458,6 +481,15 @@ def reference_layouts() -> list[tuple[FoldConfig, FoldConfig]]:
     layouts.append((FoldConfig(2, shared_act=True, stage_chunks=2, sa_stages=4, sums_in_ring=True),
                     FoldConfig(2, shared_act=True, stage_chunks=2, sa_stages=4, row_tiles=2, ring_kb=16, min_blocks=3)))
     layouts.append((FoldConfig(1, direct=True, stage_chunks=2, wk=2), FoldConfig(1, direct=True, stage_chunks=2)))
+    # a producer warp fills the rings (K split over 2 / 4 warps, w2 slices of one chunk, sums in the ring, three
+    # stages, row tiles, narrow stages at 8 warps)
+    layouts.append((FoldConfig(1, wk=2, shared_act=True, producer=True, pdl=True),
+                    FoldConfig(1, k_per_split=128, shared_act=True, producer=True)))
+    layouts.append((FoldConfig(2, wk=4, shared_act=True, producer=True, sums_in_ring=True),
+                    FoldConfig(2, k_per_split=256, shared_act=True, producer=True, sums_in_ring=True, row_tiles=2,
+                               ring_kb=16, min_blocks=3, pdl=True)))
+    layouts.append((FoldConfig(1, shared_act=True, producer=True, sa_stages=3, ring_kb=12, min_blocks=3),
+                    FoldConfig(1, shared_act=True, producer=True, stage_chunks=2, sa_stages=4, warps=8, min_blocks=2)))
     return layouts
 
 
