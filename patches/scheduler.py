@@ -38,6 +38,7 @@ def scheduler_view(scheduler):
     import torch
 
     from pagedweight.serving.builder import SchedulerView, TpView, kv_bytes_per_token
+    from pagedweight.serving.serving_loop import iteration_blocks
 
     group = getattr(scheduler, "tp_group", None)
     tp = None if group is None else TpView(group.world_size, group.rank_in_group, group.first_rank, group.cpu_group)
@@ -52,7 +53,20 @@ def scheduler_view(scheduler):
         tp_rank=getattr(scheduler, "tp_rank", 0),
         tp=tp,
         forward_stream=getattr(scheduler, "forward_stream", None) if torch.cuda.is_available() else None,
+        blocks_per_iteration=iteration_blocks(
+            getattr(scheduler, "chunked_prefill_size", None), getattr(scheduler, "max_running_requests", None),
+            scheduler.page_size, _tokens_per_request(args)),
     )
+
+
+def _tokens_per_request(args) -> int:
+    """KV tokens one running request may take per iteration: 1, or with speculative decoding its draft tokens or
+    draft tree (steps x top-k), doubled as a margin for the draft model's own KV writes."""
+    if getattr(args, "speculative_algorithm", None):
+        steps = int(getattr(args, "speculative_num_steps", None) or 0) + 1
+        topk = int(getattr(args, "speculative_eagle_topk", None) or 1)
+        return max(1, int(getattr(args, "speculative_num_draft_tokens", None) or 0), steps * topk) * 2
+    return 1
 
 
 def get_next_batch_before(scheduler, *args, **kwargs):

@@ -138,11 +138,7 @@ def _worker(rank: int, init_file: str, mode: str, out_dir: str) -> None:
             state._routing_at = -1.0  # sample routing every step (rank 0's sample is what counts under sync)
             if quality:  # each rank's MoE forward routes differently (another hot expert, other inputs)
                 state._traffic_at = -1.0
-                for layer in range(LAYERS):
-                    hot = (i // 5 + 3 * rank + layer) % EXPERTS
-                    ids = torch.tensor([[hot, (hot + 1) % EXPERTS]] * 32)
-                    policy.observer.record(layer, torch.randn(32, 8, generator=traffic_rng), ids,
-                                           torch.tensor([[0.9, 0.1]] * 32))
+                record_rank_traffic(policy.observer, i, rank, traffic_rng)
             if cuda:
                 # Rank 1's device runs behind (a busy kernel before each step's work), so its events complete
                 # later than rank 0's, as on a slower or busier GPU.
@@ -154,6 +150,15 @@ def _worker(rank: int, init_file: str, mode: str, out_dir: str) -> None:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"trace": trace, "tp": tp_state, "mass": mass}))
     finally:
         dist.destroy_process_group()
+
+
+def record_rank_traffic(observer, i: int, rank: int, rng: torch.Generator) -> None:
+    """One iteration of a rank's MoE forward as the quality policy's observer sees it: another hot expert per rank
+    and layer, other inputs."""
+    for layer in range(LAYERS):
+        hot = (i // 5 + 3 * rank + layer) % EXPERTS
+        ids = torch.tensor([[hot, (hot + 1) % EXPERTS]] * 32)
+        observer.record(layer, torch.randn(32, 8, generator=rng), ids, torch.tensor([[0.9, 0.1]] * 32))
 
 
 def _quality_policy():

@@ -61,6 +61,9 @@ class SchedulerView:
     tp_rank: int = 0
     tp: Optional[TpView] = None
     forward_stream: Any = None  # where step() enqueues its device work (None without CUDA)
+    # The most KV blocks one iteration may allocate (serving_loop.iteration_blocks); 0: unknown, TP exchanges
+    # every iteration (no quiet windows)
+    blocks_per_iteration: int = 0
 
 
 def build_weights(cfg: PagedWeightConfig, stores: list[MoELayerStore], device: torch.device,
@@ -105,7 +108,7 @@ def build_serving(view: SchedulerView, runtime: PagedRuntime, kv: Any = None) ->
         tp_sync = make_tp_sync(runtime.pager, kv, runtime.ledger, tp.cpu_group, tp.first_rank, tp.rank_in_group == 0)
         logger.info("PagedWeight: TP %d, decisions and fence completions agreed on the TP CPU group", tp.world_size)
     return PagedWeightScheduler(runtime, controller, page, capacity_blocks, view.forward_stream, metrics, tp_sync,
-                                queue_aware=cfg.queue_aware)
+                                queue_aware=cfg.queue_aware, blocks_per_iteration=view.blocks_per_iteration)
 
 
 def make_runtime_policy_choice(cfg: PagedWeightConfig, ap_dir: Optional[str],

@@ -44,6 +44,9 @@ class PagedWeightScheduler:
     queue_aware: bool = True  # the first waiting request's KV demand counts as pressure
     waiting_blocks: int = 0  # that demand at the last step (blocks it lacked)
     reloads_held: bool = False  # operator hold (set_internal_state paged_weight_hold_reloads=1): keep the plan
+    # The most KV blocks one iteration may allocate (chunked prefill plus every running request's decode pages:
+    # iteration_blocks); 0 (unknown) never opens a quiet window of the TP agreement (tp_sync.quiet_window).
+    blocks_per_iteration: int = 0
     iteration: int = 0
     commits_crc: int = 0  # running CRC-32 of (block, bits) commits: compared across TP ranks
     started_s: float = field(default_factory=time.monotonic)
@@ -51,6 +54,8 @@ class PagedWeightScheduler:
     _routing: dict = field(default_factory=dict)
     _routing_at: float = -1.0
     _traffic_at: float = -1.0
+    _top_at: int = -1  # pager transitions when _top was computed
+    _top: bool = False
 
     def step(self, scheduler: Any) -> None:
         t0 = time.perf_counter()
@@ -61,6 +66,8 @@ class PagedWeightScheduler:
 
     def _step(self, scheduler: Any) -> None:
         self.iteration += 1
+        if self.tp_sync is not None and self.tp_sync.skip():
+            return  # a quiet window (agreed at the last exchange): routing and traffic accumulate until the next one
         allocator = scheduler.token_to_kv_pool_allocator
         available = allocator.available_size() // self.page_size
         evictable = scheduler.tree_cache.evictable_size() // self.page_size
@@ -74,7 +81,9 @@ class PagedWeightScheduler:
             traffic=self._fresh_traffic(),
         )
         if self.tp_sync is not None:
-            inputs = self.tp_sync(inputs, self._digest(scheduler))
+            inputs = self.tp_sync(inputs, self._digest(scheduler), idle=self._idle(), top=self._nothing_to_reload())
+            sig = self.controller.signal
+            self.tp_sync.open_window(inputs, sig.threshold_blocks, sig.relax_blocks, self.blocks_per_iteration)
         if inputs.traffic is not None:
             self.controller.policy.take_traffic(inputs.traffic)
         self.waiting_blocks = inputs.waiting_blocks
@@ -97,6 +106,23 @@ class PagedWeightScheduler:
             self._record_commits(report.boundary.committed)
         if self.metrics is not None:
             self.metrics.update(self, scheduler.max_total_num_tokens)
+
+    def _idle(self) -> bool:
+        """This rank's pager has nothing in flight or queued and no fence of the TP ledger is pending."""
+        ledger = self.tp_sync.ledger if self.tp_sync is not None else None
+        return self.runtime.pager.idle() and (ledger is None or ledger.pending == 0)
+
+    def _nothing_to_reload(self) -> bool:
+        """Every block committed at its ceiling and the elastic KV cache at its minimum: a relax could neither
+        shrink the cache nor reload a block (recomputed only after the pager's transitions changed)."""
+        kv = self.controller.kv
+        if kv is not None and kv.capacity_tokens > kv.min_tokens:
+            return False
+        transitions = self.runtime.pager.counters.transitions
+        if transitions != self._top_at:
+            self._top_at = transitions
+            self._top = all(r.committed_bits == r.desired_bits == r.ceiling_bits for r in self.runtime.table)
+        return self._top
 
     def _record_commits(self, block_ids: tuple[int, ...]) -> None:
         """Fold this boundary's (block, committed bits) pairs into the running CRC the TP digest compares."""
@@ -203,6 +229,19 @@ def _gpu_memory(stream: Any) -> Optional[dict]:
 # SGLang clips max_new_tokens at this many when it estimates a request's KV need at admission
 # (SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION); the same clip keeps one huge request from draining the weights.
 CLIP_MAX_NEW_TOKENS = 4096
+
+
+def iteration_blocks(chunked_prefill_size: Any, max_running_requests: Any, page_size: int,
+                     tokens_per_request: int = 1) -> int:
+    """The most KV blocks one scheduler iteration may allocate: a prefill chunk (its pages, plus a partial page per
+    request it extends) and every running request's decode tokens (`tokens_per_request`: 1, or a speculative
+    step's draft tokens), in pages. 0 (unknown: chunked prefill off, so one prefill is unbounded) when either is
+    unset."""
+    chunk, running = int(chunked_prefill_size or 0), int(max_running_requests or 0)
+    if chunk <= 0 or running <= 0 or page_size <= 0:
+        return 0
+    per_request = (max(1, int(tokens_per_request)) - 1) // page_size + 1
+    return -(-chunk // page_size) + running * (per_request + 1)
 
 
 def head_of_line_demand_tokens(scheduler: Any) -> int:
