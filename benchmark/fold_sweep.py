@@ -127,6 +127,11 @@ def candidates(c13, c2, w2, names=None):
             table["nosah"] = both(c13, c2, sums_ahead=False)
             table["sc2"] = both(c13, c2, stage_chunks=2)  # four plane stages of two chunks in each warp's ring
             table["sc2_sah"] = both(c13, c2, stage_chunks=2, sums_ahead=True)
+            # a producer warp fills each warp's plane ring (every slot in flight), registers for 5 / 4 warps, deeper rings
+            table["prod"] = both(c13, c2, producer=True)
+            table["prod_mb3"] = both(c13, c2, producer=True, min_blocks=3)
+            table["prod_kb16_mb3"] = both(c13, c2, producer=True, ring_kb=16, min_blocks=3)
+            table["prod_kb12_mb3"] = both(c13, c2, producer=True, ring_kb=12, min_blocks=3)
         kps = c2.k_per_split or w2.K
         if kps < w2.K:  # w2 in half the K slices
             table["w2h"] = (c13, replace(c2, k_per_split=min(w2.K, 2 * kps)))

@@ -111,10 +111,10 @@ class FoldConfig:
     # from L2 a stage ahead into registers. Off: loaded from L2 at the start of the stage that uses them
     sums_in_ring: bool = False
     sums_ahead: bool = False
-    # shared_act: one more warp per block issues every copy (each computing warp's planes, each K range's activations
-    # and sums) and the computing warps wait on a full barrier per ring slot (mbarriers) instead of issuing copies and
-    # meeting at a block barrier; a slot is refilled once every computing thread has left it. min_blocks counts blocks
-    # of warps + 1 warps
+    # one more warp per block issues every copy (each computing warp's planes; with shared_act each K range's
+    # activations and sums too) and the computing warps wait on a full mbarrier per ring slot instead of issuing copies
+    # (and, with shared_act, meeting at a block barrier); a slot is refilled once its readers have left it. min_blocks
+    # counts blocks of warps + 1 warps
     producer: bool = False
 
     def __post_init__(self) -> None:
@@ -143,8 +143,7 @@ class FoldConfig:
         if self.block_warps * self.min_blocks > MAX_WARPS_PER_SM:
             raise ValueError(f"min_blocks={self.min_blocks} blocks of {self.block_warps} warps exceed the "
                              f"{MAX_WARPS_PER_SM} warps an SM holds")
-        if self.producer and not self.shared_act:
-            raise ValueError("producer needs shared_act (the producer warp fills the block-shared rings)")
+
         if self.sa_stages not in SA_STAGES:
             raise ValueError(f"sa_stages must be one of {SA_STAGES}, got {self.sa_stages}")
         if self.sums_in_ring and not self.shared_act:
@@ -170,7 +169,8 @@ class FoldConfig:
     def shared_bytes(self) -> int:
         chunk_bytes = self.n_tiles * CHUNK * 8 * 2 + (self.slots * 4 if self.sums_in_ring else 0)
         act = self.wk * self.sa_stages * self.stage_chunks * chunk_bytes if self.shared_act else 0
-        barriers = 2 * self.sa_stages * 8 if self.producer else 0  # a full and an empty mbarrier per ring slot
+        # producer: a full and an empty mbarrier per ring slot, one set per block (shared_act) or per warp (8 slots)
+        barriers = 2 * (self.sa_stages if self.shared_act else self.warps * 8) * 8 if self.producer else 0
         return self.warps * self.ring_kb * 1024 + act + barriers
 
     @property

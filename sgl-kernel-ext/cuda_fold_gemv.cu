@@ -143,10 +143,7 @@
 #endif
 #define NWARPS NW
 #ifndef PROD
-#define PROD 0  // SA: one more warp per block (warp NWARPS) issues every copy; the others wait on per-stage mbarriers
-#endif
-#if PROD && !SA
-#error "PROD needs SA (the producer fills the block's rings in the shared-activation layout)"
+#define PROD 0  // one more warp per block (warp NWARPS) issues every copy; the others wait on per-stage mbarriers
 #endif
 #define NTHREADS ((NWARPS + PROD) * 32)
 #define WR (NWARPS / WK)  // row tiles per block
@@ -157,11 +154,20 @@
 #define SUM_CHUNK_BYTES (SUMR ? SLOTS * 4 : 0)  // SUMR: one chunk's group sums (float32 per slot) in the ring
 #define ACT_RING_BYTES (SA_STAGES * SC * (UNIT_CHUNK_ELEMS * 2 + SUM_CHUNK_BYTES))  // SA: one K range's activation ring (the widest stage)
 #define PPC (UNIT_CHUNK_ELEMS / 8)  // 16-byte pieces of one unit's chunk of activations
-// PROD: the stages' mbarriers after the rings: full[SA_STAGES] (the producer's 32 lanes arrive as their copies land),
-// then empty[SA_STAGES] (every computing thread arrives once done with the stage)
-#define BARS_OFFSET (NWARPS * RING + WK * ACT_RING_BYTES)
+// PROD: the ring slots' mbarriers after the rings, BAR_SETS sets of BAR_SLOTS: full (the producer's 32 lanes arrive as
+// their copies land), then empty (the threads that read the slot arrive once done with it). SA: one set for the block
+// (its warps step through the same stages); else one per warp (each walks its own K range), up to 8 slots each
+#define BARS_OFFSET (NWARPS * RING + (SA ? WK * ACT_RING_BYTES : 0))
+#define BAR_SETS (SA ? 1 : NWARPS)
+#define BAR_SLOTS (SA ? SA_STAGES : 8)
+#define BAR_READERS (SA ? NWARPS * 32 : 32)
 
 #include "cuda_common.cuh"
+
+__device__ __forceinline__ u32 bar_full(u32 bars, int set, int slot) { return bars + 8 * (set * BAR_SLOTS + slot); }
+__device__ __forceinline__ u32 bar_empty(u32 bars, int set, int slot) {
+    return bars + 8 * ((BAR_SETS + set) * BAR_SLOTS + slot);
+}
 
 #if CT == 0
 #define BIAS 128.f
@@ -530,8 +536,9 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
         }
     };
 
+    // PROD: the producer warp copies every stage (produce_stages); this warp waits on the slot's full barrier
+    const int bar_set = SA ? 0 : (int)(threadIdx.x >> 5);
     if (PROD) {
-        // the producer warp copies every stage (produce_stages); this warp waits on the stage's full barrier
     } else if (SA) {
         // the planes of the first D - 1 stages while the kernel before finishes; the activations it writes after
         // pdl_wait (cp.async group 0 then holds those planes and stage 0's activations)
@@ -576,7 +583,7 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
 
     for (int si = 0; si < nstages; ++si) {
         if (PROD) {
-            mbar_wait(bars + 8 * (si % D), (u32)(si / D) & 1u);  // the producer's copies of stage si have landed
+            mbar_wait(bar_full(bars, bar_set, si % D), (u32)(si / D) & 1u);  // the producer's copies of stage si landed
         } else if (SA) {
             // stage si complete in this thread; the barrier makes every warp's copies visible and tells that all are
             // done with stage si - 1, whose slots the next copies take
@@ -695,7 +702,7 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
             }
         }
         if (!SA) __syncwarp();
-        if (PROD) mbar_arrive(bars + 8 * (SA_STAGES + si % D));  // done with the slot: the producer may refill it
+        if (PROD) mbar_arrive(bar_empty(bars, bar_set, si % D));  // done with the slot: the producer may refill it
     }
     cp_async_wait<0>();
 }
@@ -703,9 +710,11 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
 #if PROD
 // The block's producer warp (warp NWARPS): every cp.async of every stage. Lane (g, t) copies, for each computing warp w,
 // what lane (g, t) of w would copy without it (rows g and g + 8 of w's tiles, chunk t (and t + 4) of the stage, into w's
-// ring), then each K range's activations (and SUMR group sums) into its ring; each lane then arrives on the stage slot's
-// full barrier as its copies land (cp.async.mbarrier.arrive). A slot is refilled once every computing thread arrived on
-// its empty barrier, so up to D stages are in flight and no warp waits at a block barrier or issues a copy.
+// ring), and (SA) each K range's activations and SUMR group sums into its ring; each lane then arrives on the slot's
+// full barrier as its copies land (cp.async.mbarrier.arrive). A slot is refilled once its readers arrived on its empty
+// barrier, so up to D stages are in flight and no computing warp waits at a block barrier or issues a copy. SA: the
+// block's warps share one set of barriers and the same stages; else each warp its own, over its own K range (the
+// producer serves the warps round robin, stage by stage, skipping those without rows or K range, as the kernel does).
 template <int Q>
 __device__ __forceinline__ void produce_stages(const long long* prow, const u16* xf, const float* xs, int K, int n_out,
                                                int chunks, int k_per_split, int span, u32 smem_base, u32 bars) {
@@ -726,13 +735,13 @@ __device__ __forceinline__ void produce_stages(const long long* prow, const u16*
     const u32 dst_a4 = (u32)(g * SCQ * 16 + (((t + 4) ^ ring_swz<SCQ>(g)) << 4));
     const u32 dst_b4 = (u32)((g + 8) * SCQ * 16 + (((t + 4) ^ ring_swz<SCQ>(g + 8)) << 4));
 
-    auto issue_planes = [&](int si) {
-#pragma unroll 1
-        for (int w = 0; w < NWARPS; ++w) {
-            int na[RT], nb[RT], ra[RT], rb[RT], cb, ce;
-            rows_of_warp(blockIdx.y, w % WR, g, n_out, na, nb, ra, rb);
-            k_range_of_warp(blockIdx.z, w / WR, chunks, k_per_split, cb, ce);
-            const int c = cb + si * SCQ + t;
+    // stage si of warp w's planes into its ring
+    auto issue_warp = [&](int w, int si) {
+        int na[RT], nb[RT], ra[RT], rb[RT], cb, ce;
+        rows_of_warp(blockIdx.y, w % WR, g, n_out, na, nb, ra, rb);
+        k_range_of_warp(blockIdx.z, w / WR, chunks, k_per_split, cb, ce);
+        const int c = cb + si * SCQ + t;
+        {
             if (t < SCQ && c < ce) {
 #pragma unroll
                 for (int r = 0; r < RT; ++r) {
@@ -756,6 +765,10 @@ __device__ __forceinline__ void produce_stages(const long long* prow, const u16*
             (void)na; (void)nb;
         }
     };
+    auto issue_planes = [&](int si) {
+#pragma unroll 1
+        for (int w = 0; w < NWARPS; ++w) issue_warp(w, si);
+    };
     // each K range's activations of stage si (a chunk past the range copies its last chunk, as in warp_rows)
     auto issue_acts = [&](int si) {
 #pragma unroll 1
@@ -778,19 +791,44 @@ __device__ __forceinline__ void produce_stages(const long long* prow, const u16*
         }
     };
 
-    const int first = nstages < D ? nstages : D;
-    // every slot's planes while the kernel before finishes; the activations it writes after pdl_wait
-    for (int st = 0; st < first; ++st) issue_planes(st);
-    pdl_wait();
-    for (int st = 0; st < first; ++st) {
-        issue_acts(st);
-        cp_async_mbar_arrive(bars + 8 * st);
-    }
-    for (int si = D; si < nstages; ++si) {
-        mbar_wait(bars + 8 * (SA_STAGES + si % D), (u32)(si / D - 1) & 1u);  // the computing warps left stage si - D
-        issue_planes(si);
-        issue_acts(si);
-        cp_async_mbar_arrive(bars + 8 * (si % D));
+    if (SA) {
+        const int first = nstages < D ? nstages : D;
+        // every slot's planes while the kernel before finishes; the activations it writes after pdl_wait
+        for (int st = 0; st < first; ++st) issue_planes(st);
+        pdl_wait();
+        for (int st = 0; st < first; ++st) {
+            issue_acts(st);
+            cp_async_mbar_arrive(bar_full(bars, 0, st));
+        }
+        for (int si = D; si < nstages; ++si) {
+            mbar_wait(bar_empty(bars, 0, si % D), (u32)(si / D - 1) & 1u);  // the computing warps left stage si - D
+            issue_planes(si);
+            issue_acts(si);
+            cp_async_mbar_arrive(bar_full(bars, 0, si % D));
+        }
+    } else {
+        // each warp's stages over its own K range (the kernel runs a warp only with rows and a K range); the planes only
+        // (the computing warps load their activations from L2), so nothing here waits for the kernel before
+        int ns[NWARPS];
+        int most = 0;
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) {
+            int na[RT], nb[RT], ra[RT], rb[RT], cb, ce;
+            const bool rows = rows_of_warp(blockIdx.y, w % WR, g, n_out, na, nb, ra, rb);
+            k_range_of_warp(blockIdx.z, w / WR, chunks, k_per_split, cb, ce);
+            ns[w] = rows && cb < ce ? (ce - cb + SCQ - 1) / SCQ : 0;
+            most = max(most, ns[w]);
+        }
+        for (int si = 0; si < most; ++si) {
+#pragma unroll
+            for (int w = 0; w < NWARPS; ++w) {
+                if (si >= ns[w]) continue;
+                if (si >= D) mbar_wait(bar_empty(bars, w, si % D), (u32)(si / D - 1) & 1u);
+                issue_warp(w, si);
+                cp_async_mbar_arrive(bar_full(bars, w, si % D));
+            }
+        }
+        (void)span; (void)issue_acts;
     }
     cp_async_wait<0>();
 }
@@ -909,7 +947,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MINB) ap_fold_gemv(
     const int per = k_range_of_warp(blockIdx.z, wk, chunks, k_per_split, c_begin, c_end);
     // SA: every warp of a block with an expert steps through the same stages (a block barrier per stage); a warp past
     // the last rows reads the last row (clamped) and stores nothing, one past the K range multiplies zeros
-    const bool active = SA ? expert >= 0 : expert >= 0 && tile_ok && c_begin < c_end;
+    const bool active = SA || producer ? expert >= 0 : expert >= 0 && tile_ok && c_begin < c_end;
 
     // input unit of the activations
 #if DIRECT
@@ -930,11 +968,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MINB) ap_fold_gemv(
 #if PROD
     const u32 bars = smem_u32(smem + BARS_OFFSET);
     if (threadIdx.x == 0) {
-#pragma unroll
-        for (int s = 0; s < SA_STAGES; ++s) {
-            mbar_init(bars + 8 * s, 32);                           // full: the producer's lanes
-            mbar_init(bars + 8 * (SA_STAGES + s), NWARPS * 32);    // empty: every computing thread
-        }
+        for (int set = 0; set < BAR_SETS; ++set)
+            for (int s = 0; s < BAR_SLOTS; ++s) {
+                mbar_init(bar_full(bars, set, s), 32);             // the producer's lanes
+                mbar_init(bar_empty(bars, set, s), BAR_READERS);  // the threads that read the slot
+            }
     }
     __syncthreads();
 #else

@@ -75,13 +75,15 @@ def test_every_variant_compiles_for_sm90(mode):
                 FoldConfig(2, wk=2, shared_act=True, producer=True, sums_in_ring=True, sa_stages=3, ring_kb=12,
                            min_blocks=3),
                 FoldConfig(2, shared_act=True, producer=True, sums_in_ring=True, row_tiles=2, ring_kb=16, min_blocks=3),
-                FoldConfig(1, shared_act=True, producer=True, stage_chunks=2, sa_stages=4, warps=8, min_blocks=2))):
+                FoldConfig(1, shared_act=True, producer=True, stage_chunks=2, sa_stages=4, warps=8, min_blocks=2),
+                FoldConfig(2, wk=2, producer=True, ring_kb=16, min_blocks=3))):
         bits_max, group, compute = ((8, 128, 0), (4, 256, 1))[(i + mode) % 2]
         jobs.append(functools.partial(compile_to_cubin, gemv_defines(mode, cfg, bits_max, group, compute, out=compute),
                                       "90"))
     if mode != 2:
         for cfg in (FoldConfig(1, direct=True), FoldConfig(1, direct=True, wk=4),
-                    FoldConfig(1, direct=True, sums_ahead=True, pdl=True)):
+                    FoldConfig(1, direct=True, sums_ahead=True, pdl=True),
+                    FoldConfig(1, direct=True, wk=2, producer=True, pdl=True, min_blocks=3)):
             jobs.append(functools.partial(compile_to_cubin, gemv_defines(mode, cfg, 8, 128, 0, 2), "90"))
     if mode == 0:  # the prep kernel does not depend on the mode
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -164,18 +166,17 @@ def test_group_sums_in_the_ring_or_a_stage_ahead_size_and_refuse():
 
 def test_producer_warp_adds_one_warp_and_the_stage_barriers():
     """producer: one more warp per block (launched, and counted against the SM's warps) and a full and an empty
-    mbarrier per activation-ring stage after the rings; only with the shared activation ring."""
+    mbarrier per ring slot after the rings: one set per block under the shared activation ring (its stages), else
+    one set of 8 per warp (each warp walks its own K range)."""
     sa = FoldConfig(1, shared_act=True, sa_stages=3, ring_kb=12, min_blocks=3)
     prod = dataclasses.replace(sa, producer=True)
     assert (sa.block_warps, prod.block_warps) == (4, 5) and prod.rows_per_block == sa.rows_per_block
     assert prod.shared_bytes == sa.shared_bytes + 2 * 3 * 8
     assert "-DPROD=1" in gemv_defines(1, prod, 4, 128, 0) and "-DPROD=0" in gemv_defines(1, sa, 4, 128, 0)
-    with pytest.raises(ValueError, match="producer needs shared_act"):
-        FoldConfig(1, producer=True)
+    direct = FoldConfig(1, direct=True, wk=2, producer=True, min_blocks=3)
+    assert direct.shared_bytes == FoldConfig(1, direct=True, wk=2).shared_bytes + 2 * 4 * 8 * 8
     with pytest.raises(ValueError, match="blocks of 17 warps exceed the 64 warps"):
         FoldConfig(1, shared_act=True, producer=True, warps=16, min_blocks=4)
-    with pytest.raises(RuntimeError, match="PROD needs SA"):
-        compile_to_cubin(gemv_defines(1, FoldConfig(1), 4, 128, 0) + ["-DPROD=1"], "90")
 
 
 def test_warps_per_block_size_the_block_rings_and_registers():
@@ -490,6 +491,12 @@ def reference_layouts() -> list[tuple[FoldConfig, FoldConfig]]:
                                ring_kb=16, min_blocks=3, pdl=True)))
     layouts.append((FoldConfig(1, shared_act=True, producer=True, sa_stages=3, ring_kb=12, min_blocks=3),
                     FoldConfig(1, shared_act=True, producer=True, stage_chunks=2, sa_stages=4, warps=8, min_blocks=2)))
+    # without the shared ring: each warp's own stages (one pair per block with K over 4 warps, the last part short at
+    # K = 640; w2 slices; blocks of slots with a 16 KB ring, four stages of 4 planes)
+    layouts.append((FoldConfig(1, direct=True, wk=4, producer=True, pdl=True),
+                    FoldConfig(1, direct=True, k_per_split=256, producer=True, min_blocks=3)))
+    layouts.append((FoldConfig(2, wk=2, producer=True, ring_kb=16, min_blocks=3),
+                    FoldConfig(2, k_per_split=128, producer=True, row_tiles=2, ring_kb=16, min_blocks=3)))
     return layouts
 
 
