@@ -29,7 +29,11 @@ layers, the TP all-reduces, sampling and SGLang's own scheduling are left out) a
 read half the bytes of stock bf16 experts, so the true share of a `--tp 2` decode step is smaller than the one
 reported: a headline <= 0.01 here holds for the real step too. The stock decode step of bench_one_batch would not be
 the same thing: it runs the whole model unsharded on one GPU. `step_overhead_share_offload_reload` is the same ratio
-for the pressure regime.
+for the pressure regime. With the agreement's quiet windows (runtime/tp_sync.py) most steady iterations skip the
+exchange and the step, so their p50 is a skip's cost: `step_overhead_share_mean` (mean step / MoE p50) carries the
+exchanges' share too, and `skipped_iterations` counts the skips per regime. Whether windows open depends on the free
+KV against what one iteration may allocate (`--chunked-prefill-size`, `--max-running-requests`: the server's; the
+defaults are a decode server's 8192 and 256) times the window; `--kv-tokens` is the capacity SGLang would have sized.
 
 What is not measured: the CUDA VMM KV backing (the host backing is used: the VMM one needs SGLang's VMM pool owner,
 which only a server's KV allocation creates), a forward running while the step runs (each iteration synchronizes the
@@ -96,7 +100,13 @@ def headline(ranks: list[dict], batches: list[int]) -> dict[str, Any]:
     return {
         "step_overhead_share": share("steady"),
         "step_overhead_share_offload_reload": share("offload_reload"),
-        "step_overhead_us": {g: {q: _worst(ranks, g, "step_us", q) for q in ("p50_us", "p99_us")} for g in regimes},
+        # the mean too: with quiet windows most steps are skips, so the p50 is a skip's cost and the mean carries the
+        # exchanges' share
+        "step_overhead_share_mean": {str(m): round(max(
+            next(r for r in rk["regimes"] if r["regime"] == "steady")["step_us"]["mean_us"]
+            / rk["moe_step_us"][str(m)]["median"] for rk in ranks), 5) for m in batches},
+        "step_overhead_us": {g: {q: _worst(ranks, g, "step_us", q) for q in ("p50_us", "mean_us", "p99_us")}
+                             for g in regimes},
         "agreement_us": {g: {q: _worst(ranks, g, "agreement_us", q) for q in ("p50_us", "p99_us")} for g in regimes},
         "agreement_bytes": {g: {"row": ranks[0]["regimes"][i]["report_bytes"]["row"],
                                 "max": max(rk["regimes"][i]["report_bytes"]["max"] for rk in ranks),
@@ -109,6 +119,8 @@ def headline(ranks: list[dict], batches: list[int]) -> dict[str, Any]:
         "transitions_offload_reload": ranks[0]["regimes"][-1]["transitions"],
         "iterations_with_fences_pending": {g: ranks[0]["regimes"][i]["iterations_with_fences_pending"]
                                            for i, g in enumerate(regimes)},
+        # timed iterations a quiet window skipped (the same on every rank, or a rank would wait alone in the collective)
+        "skipped_iterations": {g: ranks[0]["regimes"][i]["skipped"] for i, g in enumerate(regimes)},
     }
 
 
@@ -123,19 +135,21 @@ def markdown(doc: dict[str, Any]) -> str:
         f"policy {doc['policy']}, {doc['spec']['bits']} -> floor {doc['spec']['floor_bits']} bits.", "",
         "Baseline measured in the same run: the shard's MoE work of one decode step (ap_fused_moe over every layer, "
         "starting bits), a lower bound of a rank's decode step; see the script's docstring.", "",
-        "| batch | MoE decode step p50 (us) | PagedWeight step p50 steady (us) | share steady | "
-        "share offload/reload |", "|---|---|---|---|---|",
+        "| batch | MoE decode step p50 (us) | PagedWeight step p50 steady (us) | share steady (p50) | "
+        "share steady (mean) | share offload/reload |", "|---|---|---|---|---|---|",
     ]
     for m, us in h["moe_decode_step_us_p50"].items():
         lines.append(f"| {m} | {us:.1f} | {h['step_overhead_us']['steady']['p50_us']} | "
-                     f"{h['step_overhead_share'][m]} | {h['step_overhead_share_offload_reload'][m]} |")
-    lines += ["", "| regime | step p50 / p99 (us) | agreement p50 / p99 (us) | bytes sent per agreement (row / max / mean) "
-              "| iterations with fences pending |", "|---|---|---|---|---|"]
+                     f"{h['step_overhead_share'][m]} | {h['step_overhead_share_mean'][m]} | "
+                     f"{h['step_overhead_share_offload_reload'][m]} |")
+    lines += ["", "| regime | step p50 / mean / p99 (us) | agreement p50 / p99 (us) | bytes sent per agreement "
+              "(row / max / mean) | iterations with fences pending | iterations skipped (quiet windows) |",
+              "|---|---|---|---|---|---|"]
     for g, st in h["step_overhead_us"].items():
         ag, b = h["agreement_us"][g], h["agreement_bytes"][g]
-        lines.append(f"| {g} | {st['p50_us']} / {st['p99_us']} | {ag['p50_us']} / {ag['p99_us']} | "
+        lines.append(f"| {g} | {st['p50_us']} / {st['mean_us']} / {st['p99_us']} | {ag['p50_us']} / {ag['p99_us']} | "
                      f"{b['row']} / {b['max']} / {b['mean']} | {h['iterations_with_fences_pending'][g]} of "
-                     f"{doc['spec']['iters']} |")
+                     f"{doc['spec']['iters']} | {h['skipped_iterations'][g]} |")
     lines += ["", f"Digest mismatches: {h['digest_mismatches']}; ranks committed identical plans: "
               f"{h['ranks_identical']}; transitions in the offload/reload regime: {h['transitions_offload_reload']}."]
     if doc.get("note"):
@@ -152,11 +166,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--bits", type=int, default=8)
     p.add_argument("--min-bits", type=int, default=3)
     p.add_argument("--policy", default="hotness")
-    p.add_argument("--kv-tokens", type=int, default=65536, help="the KV capacity SGLang would have sized (tokens)")
+    p.add_argument("--kv-tokens", type=int, default=262144, help="the KV capacity SGLang would have sized (tokens)")
     p.add_argument("--iters", type=int, default=2000, help="timed iterations per regime")
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--phase-iters", type=int, default=100, help="offload/reload regime: pressure on, then off, each")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--chunked-prefill-size", type=int, default=8192,
+                   help="the server's; with --max-running-requests it bounds one iteration's KV allocation")
+    p.add_argument("--max-running-requests", type=int, default=256, help="the server's running-request cap")
     p.add_argument("--moe-reps", type=int, default=50)
     p.add_argument("--note", default="", help="a line for the markdown")
     p.add_argument("--out", required=True)
@@ -173,7 +190,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tp_overhead-") as tmp:
         spec = RunSpec(shape=shape, tp=a.tp, bits=a.bits, floor_bits=a.min_bits, policy=a.policy,
                        kv_tokens=a.kv_tokens, iters=a.iters, warmup=a.warmup, phase_iters=a.phase_iters,
-                       batches=tuple(a.batches), moe_reps=a.moe_reps, out_dir=tmp)
+                       batches=tuple(a.batches), moe_reps=a.moe_reps, out_dir=tmp,
+                       chunked_prefill_size=a.chunked_prefill_size, max_running_requests=a.max_running_requests)
         mp.start_processes(run_rank, args=(spec, str(Path(tmp) / "init")), nprocs=a.tp, start_method="spawn", join=True)
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(a.tp)]
     doc = {
@@ -187,7 +205,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "shape": shape.__dict__,
         "policy": ranks[0]["policy"],
         "spec": {k: getattr(spec, k) for k in ("bits", "floor_bits", "kv_tokens", "iters", "warmup", "phase_iters",
-                                               "batches", "moe_reps")},
+                                               "batches", "moe_reps", "chunked_prefill_size", "max_running_requests")},
         "baseline": "the shard's MoE work of one decode step (ap_fused_moe over every layer at the starting bits), "
                     "a lower bound of the rank's decode step",
         "note": a.note,

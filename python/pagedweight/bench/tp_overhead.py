@@ -84,6 +84,10 @@ class RunSpec:
     batches: tuple[int, ...]
     moe_reps: int
     out_dir: str
+    # the server's chunked-prefill size and running-request cap: they bound what one iteration may allocate, so the TP
+    # agreement's quiet windows open only while the free KV exceeds the low watermark by that much (tp_sync.py)
+    chunked_prefill_size: int = 8192
+    max_running_requests: int = 256
 
 
 def _stores(shape: ShardShape, cfg: Any, device: torch.device) -> list:
@@ -125,6 +129,7 @@ def _scheduler(rank: int, spec: RunSpec, runtime: Any, kv: Any, alloc: Any, tree
         tp_worker=SimpleNamespace(model_runner=runner),
         tp_group=SimpleNamespace(world_size=spec.tp, rank_in_group=rank, first_rank=0, cpu_group=dist.group.WORLD),
         tp_rank=rank, page_size=1, max_total_num_tokens=spec.kv_tokens, token_to_kv_pool_allocator=alloc,
+        chunked_prefill_size=spec.chunked_prefill_size, max_running_requests=spec.max_running_requests,
         tree_cache=tree, forward_stream=stream, waiting_queue=[], new_token_ratio_tracker=None,
         server_args=SimpleNamespace(load_format="dummy", model_path=spec.shape.name, enable_metrics=False, dcp_size=1),
     )
@@ -214,10 +219,12 @@ def _regime(name: str, sched: Any, spec: RunSpec, pressure: Optional[_Pressure],
     pending = 0
     before = dict(transitions=pws.runtime.pager.counters.transitions, bytes_to_kv=pws.runtime.pager.counters.bytes_to_kv,
                   object_exchanges=sync.object_exchanges, mismatches=sync.digest_mismatches)
+    timed_from = {}  # the sync's exchange / skip counts when the timed iterations start
     for i in range(spec.warmup + spec.iters):
         if i == spec.warmup:
             sync.agreement = LatencyHistogram()
             pws.step_timing = LatencyHistogram()
+            timed_from = dict(exchanges=sync.exchanges, skipped=sync.skipped)
         if pressure is not None:
             pressure.before_step(i)
         pending += i >= spec.warmup and ledger.pending > 0
@@ -239,6 +246,9 @@ def _regime(name: str, sched: Any, spec: RunSpec, pressure: Optional[_Pressure],
         "agreement_us": sync.agreement.state(),
         "report_bytes": {"row": sync.state()["report_bytes"]["row"], "max": max(sent), "mean": sum(sent) / len(sent)},
         "object_exchanges": sync.object_exchanges - before["object_exchanges"],
+        # timed iterations with an exchange, and those a quiet window skipped (no exchange, no PagedWeight step)
+        "exchanges": sync.exchanges - timed_from["exchanges"],
+        "skipped": sync.skipped - timed_from["skipped"],
         "iterations_with_fences_pending": pending,
         "transitions": counters.transitions - before["transitions"],
         "bytes_to_kv": counters.bytes_to_kv - before["bytes_to_kv"],
@@ -306,7 +316,7 @@ def _run(rank: int, spec: RunSpec) -> None:
         "moe_step_us": moe,
         "regimes": regimes,
         "tp": {k: sync.state()[k] for k in ("exchanges", "object_exchanges", "digest_mismatches", "fences_agreed",
-                                           "fences_pending", "ranks")},
+                                           "fences_pending", "ranks", "skipped", "quiet_windows", "quiet_window")},
         "commits_crc": pws.commits_crc,
         "transitions": runtime.pager.counters.transitions,
         "committed_bits": [r.committed_bits for r in runtime.table],
