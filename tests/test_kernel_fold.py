@@ -384,19 +384,30 @@ def test_linear_matches_reference(n, k, group, bits):
 
 @needs_cuda
 def test_linear_explicit_configs_and_large_activations():
-    """K cut into one-group slices (many atomics), two n-tiles for three rows (padding slots), a producer warp, and
-    activations far beyond fp16's range (bf16 keeps them)."""
+    """K cut into one-group slices (many atomics), two n-tiles for three rows (padding slots), and activations
+    far beyond fp16's range (bf16 keeps them)."""
     proj = random_ap_projection(1, 520, 1280, [5], table_kind="ubcq", bits_min=2, device="cuda")
     x = torch.randn(3, 1280, device="cuda", dtype=torch.bfloat16)
     ref = ap_linear_reference(x.float(), proj.weights)
     for cfg in (FoldConfig(1, k_per_split=128), FoldConfig(2, k_per_split=384), FoldConfig(2), FoldConfig(1, wk=4),
-                FoldConfig(1, row_tiles=2, min_blocks=3), FoldConfig(2, k_per_split=256, row_tiles=4, ring_kb=16),
-                FoldConfig(1, wk=2, shared_act=True, producer=True),
-                FoldConfig(2, k_per_split=384, shared_act=True, producer=True, sums_in_ring=True, ring_kb=16)):
+                FoldConfig(1, row_tiles=2, min_blocks=3), FoldConfig(2, k_per_split=256, row_tiles=4, ring_kb=16)):
         assert rel_err(ap_linear_fold(x, proj.weights, 0, None, cfg), ref) < 2e-2, cfg
     big = (torch.randn(3, 1280, device="cuda") * torch.tensor([[1.0], [1e6], [3e4]], device="cuda")).to(torch.bfloat16)
     out = ap_linear_fold(big, proj.weights, 0, None)
     assert rel_err(out, ap_linear_reference(big.float(), proj.weights)) < 2e-2
+
+
+@needs_cuda
+def test_linear_producer_warp_matches_reference():
+    """A dense linear with a producer warp: under the shared ring (K over 2 warps; sums in the ring, slices of 3
+    chunks) and without it (each warp its own stages)."""
+    proj = random_ap_projection(1, 520, 1280, [5], table_kind="ubcq", bits_min=2, device="cuda")
+    x = torch.randn(3, 1280, device="cuda", dtype=torch.bfloat16)
+    ref = ap_linear_reference(x.float(), proj.weights)
+    for cfg in (FoldConfig(1, wk=2, shared_act=True, producer=True),
+                FoldConfig(2, k_per_split=384, shared_act=True, producer=True, sums_in_ring=True, ring_kb=16),
+                FoldConfig(1, k_per_split=256, producer=True, min_blocks=3)):
+        assert rel_err(ap_linear_fold(x, proj.weights, 0, None, cfg), ref) < 2e-2, cfg
 
 
 @needs_cuda
@@ -482,8 +493,14 @@ def reference_layouts() -> list[tuple[FoldConfig, FoldConfig]]:
     layouts.append((FoldConfig(2, shared_act=True, stage_chunks=2, sa_stages=4, sums_in_ring=True),
                     FoldConfig(2, shared_act=True, stage_chunks=2, sa_stages=4, row_tiles=2, ring_kb=16, min_blocks=3)))
     layouts.append((FoldConfig(1, direct=True, stage_chunks=2, wk=2), FoldConfig(1, direct=True, stage_chunks=2)))
-    # a producer warp fills the rings (K split over 2 / 4 warps, w2 slices of one chunk, sums in the ring, three
-    # stages, row tiles, narrow stages at 8 warps)
+    return layouts
+
+
+def producer_layouts() -> list[tuple[FoldConfig, FoldConfig]]:
+    """(w13, w2) pairs with a producer warp (test_producer_warp_matches_reference, `-k producer` on its own: a wrong
+    barrier phase hangs rather than fails): under the shared ring (K split over 2 / 4 warps, w2 slices of one chunk,
+    sums in the ring, three stages, row tiles, narrow stages at 8 warps) and without it (each warp its own stages)."""
+    layouts = []
     layouts.append((FoldConfig(1, wk=2, shared_act=True, producer=True, pdl=True),
                     FoldConfig(1, k_per_split=128, shared_act=True, producer=True)))
     layouts.append((FoldConfig(2, wk=4, shared_act=True, producer=True, sums_in_ring=True),
@@ -506,7 +523,7 @@ def reference_kernels_built():
     NVRTC releases the GIL, so the GPU test pays a fraction of the ~100 serial builds (the job tuples are
     `_compiled`'s positional arguments as `_gemv` and `_prep` pass them, so its cache serves the launches)."""
     jobs = []
-    for c13, c2 in reference_layouts():
+    for c13, c2 in reference_layouts() + producer_layouts():
         for mode, cfg in ((0, c13), (1, c2)):
             jobs.append((cuda_fold._SOURCE, "ap_fold_gemv", tuple(gemv_defines(mode, cfg, 8, 128, 0, 0)), 0,
                          cfg.shared_bytes))
@@ -521,7 +538,7 @@ def reference_kernels_built():
 
 def test_reference_layouts_share_one_block_layout():
     """The launcher runs w13 and w2 over one alignment, so each pair the GPU reference test runs must agree on it."""
-    pairs = reference_layouts()
+    pairs = reference_layouts() + producer_layouts()
     assert len(pairs) >= 20
     for c13, c2 in pairs:
         assert (c13.slots, c13.direct) == (c2.slots, c2.direct), (c13, c2)
@@ -538,6 +555,20 @@ def test_moe_matches_reference(num_experts, topk, m, pattern, reference_kernels_
     x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
     ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
     for cfgs in reference_layouts():
+        out = ap_fused_moe_fold(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
+        assert rel_err(out, ref) < 2e-2, cfgs
+
+
+@needs_cuda
+@pytest.mark.parametrize("num_experts,topk,m,pattern", MOE_REFERENCE_CASES)
+def test_producer_warp_matches_reference(num_experts, topk, m, pattern, reference_kernels_built):
+    hidden, inter = 640, 384
+    bits13, bits2 = mixed_bits(num_experts)
+    p13, p2 = _layer(num_experts, hidden, inter, bits13, bits2, seed=num_experts + m)
+    tw, ids = routing(m, num_experts, topk, pattern, seed=m)
+    x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+    ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
+    for cfgs in producer_layouts():
         out = ap_fused_moe_fold(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
         assert rel_err(out, ref) < 2e-2, cfgs
 
