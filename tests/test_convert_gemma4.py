@@ -127,3 +127,18 @@ def test_text_only_gemma4_checkpoint_converts(tiny, tmp_path):
         got = ckpt.block(ckpt.name_of(0, 2, "down")).dequantize(8)
         assert float((got - w).square().sum() / w.square().sum()) < 1e-3
     assert torch.is_tensor(load_file(str(out / "model.safetensors"))["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_dense_linears_are_the_text_layers_attention(tiny, tmp_path):
+    """`--dense-linears` on the multimodal checkpoint: the text layers' q/k/v/o under model.language_model.layers,
+    not the vision tower's attention (model.vision_tower.encoder.layers.N.self_attn.*), and no lm_head (tied)."""
+    out = convert_checkpoint(tiny, tmp_path / "ap", bits_min=2, bits_max=4, dense_linears=True, progress=False)
+    ckpt = APCheckpoint.open(out)
+    assert ckpt.dense_names() == [f"{LAYER}.{i}.self_attn.{p}_proj" for i in range(SIZES.num_layers) for p in "koqv"]
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        src = load_file(str(tiny / "model.safetensors"))
+        for name in ckpt.dense_names():  # the bf16 originals stay in the servable model, for scope experts
+            assert torch.equal(f.get_tensor(f"{name}.weight"), src[f"{name}.weight"])
+        assert "model.vision_tower.encoder.layers.0.self_attn.q_proj.linear.weight" in f.keys()
+    spec = ckpt.spec(f"{LAYER}.1.self_attn.q_proj")  # the full-attention layer's wider heads
+    assert (spec.out_features, spec.in_features) == tuple(src[f"{LAYER}.1.self_attn.q_proj.weight"].shape)

@@ -135,9 +135,13 @@ ADAPTERS: dict[str, ArchAdapter] = {
 }
 
 # Dense linears that `pagedweight convert --dense-linears` quantizes too (served under --paged-weight-scope
-# all): the attention projections and an untied lm_head, named alike by every supported family. Routers
-# stay bf16 (tiny, and their logits pick the experts), and so do the embeddings (a lookup, not a GEMM).
-DENSE_LINEAR = re.compile(r"(?:model\.layers\.\d+\.self_attn\.(?:q_proj|k_proj|v_proj|o_proj)|lm_head)\.weight")
+# all): the attention projections and an untied lm_head, named alike by every supported family, the decoder
+# layers under `model.layers` or, in Gemma-4's multimodal checkpoint, `model.language_model.layers` (SGLang's
+# Gemma4ForConditionalGeneration builds its text layers under that prefix too; its vision tower's attention is
+# not matched). Routers stay bf16 (tiny, and their logits pick the experts), and so do the embeddings (a lookup,
+# not a GEMM).
+DENSE_LINEAR = re.compile(
+    r"(?:model\.(?:language_model\.)?layers\.\d+\.self_attn\.(?:q_proj|k_proj|v_proj|o_proj)|lm_head)\.weight")
 
 # Tensors under these name fragments are expert weights; one that no adapter pattern matches (e.g. the
 # fused 3-D `experts.gate_up_proj` of some exporters) must not be silently copied as a dense tensor.
