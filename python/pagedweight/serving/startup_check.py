@@ -93,8 +93,10 @@ def _check_bits(cfg: PagedWeightConfig, lo: int, hi: int, what: str) -> None:
         )
 
 
-# Dense linears SGLang splits by input columns over TP ranks (RowParallelLinear).
-_ROW_PARALLEL_SUFFIXES = (".self_attn.o_proj", ".shared_expert.down_proj", ".shared_experts.down_proj")
+# Dense linears SGLang splits by input columns over TP ranks (RowParallelLinear): attention's output projection and
+# the down projection of a shared expert (Qwen, GLM, DeepSeek) or of the dense MLP kept as one (Gemma-4's `mlp`).
+_ROW_PARALLEL_SUFFIXES = (".self_attn.o_proj", ".shared_expert.down_proj", ".shared_experts.down_proj",
+                          ".mlp.down_proj")
 
 
 def _check_row_parallel_shards(ckpt: Any, tp: int) -> None:
