@@ -31,8 +31,21 @@ def dense_source_for(server_args: Any, cfg: Any):
     if key not in _SOURCES:
         # the MoE layers' source holds the opened checkpoint: one reader per process
         _SOURCES[key] = DummyDenseSource() if load_format == "dummy" else CheckpointDenseSource(
-            layer_source_for(server_args, cfg).ckpt)
+            layer_source_for(server_args, cfg).ckpt, k_eq_v=_attention_k_eq_v(server_args.model_path))
     return _SOURCES[key]
+
+
+def _attention_k_eq_v(model_path: str) -> bool:
+    """The model's `attention_k_eq_v` (Gemma-4; under text_config for the multimodal checkpoint), as SGLang reads it."""
+    import json
+    from pathlib import Path
+
+    from pagedweight.format.arch import flat_config
+
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return False
+    return bool(flat_config(json.loads(config.read_text())).get("attention_k_eq_v", False))
 
 
 def dense_bits(cfg: Any, source: Any) -> int:

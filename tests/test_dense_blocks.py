@@ -187,3 +187,63 @@ def test_lm_head_shard_is_the_ranks_original_vocabulary(rank):
                           num_added_embeddings=0, tp_rank=rank, tp_size=2)
     plan = shard_plan(layer, ("lm_head",), {"lm_head": 500}, 64)
     assert [(r.start, r.stop) for r in plan.rows] == ([(0, 256)] if rank == 0 else [(256, 500)])
+
+
+class _KOnlyCheckpoint:
+    """An AP checkpoint whose attention layer ships q_proj and k_proj only (Gemma-4's attention_k_eq_v layers)."""
+
+    table_kind = "ubcq"
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.blocks = {f"model.language_model.layers.5.self_attn.{p}_proj": n for p, n in (("q", 64), ("k", 32))}
+        self.planes_of = {b: torch.randint(0, 256, (8, n, 16), dtype=torch.uint8, generator=g)
+                          for b, n in self.blocks.items()}
+        self.tables_of = {b: torch.rand(2, n, 1, generator=g).half() for b, n in self.blocks.items()}
+
+    def has_block(self, name: str) -> bool:
+        return name in self.blocks
+
+    def spec(self, name: str):
+        from pagedweight.format.layout import BlockSpec
+
+        return BlockSpec(self.blocks[name], 128, 2, 8, "ubcq", 128)
+
+    def planes(self, name: str, bits: int) -> torch.Tensor:
+        return self.planes_of[name][:bits]
+
+    def table(self, name: str, bits: int) -> torch.Tensor:
+        return self.tables_of[name]
+
+
+def test_k_eq_v_layers_read_v_from_k_and_only_under_the_flag():
+    from pagedweight.serving.dense_linear import CheckpointDenseSource, ap_names_for
+
+    names = ap_names_for("model.language_model.layers.5.self_attn.qkv_proj")
+    ckpt = _KOnlyCheckpoint()
+    with pytest.raises(ValueError, match=r"only some blocks of a fused linear: \['model.language_model.layers.5.self_attn"
+                                         r".v_proj'\] are missing"):
+        CheckpointDenseSource(ckpt).has_blocks(names)  # without attention_k_eq_v a missing v_proj is a broken file
+    source = CheckpointDenseSource(ckpt, k_eq_v=True)
+    assert source.has_blocks(names)
+    layer = _layer("QKVParallelLinear", tp_rank=0, tp_size=1, num_heads=4, num_kv_heads=2, head_size=16,
+                   v_head_size=16, num_kv_head_replicas=1, output_partition_sizes=[64, 32, 32],
+                   input_size_per_partition=128, input_size=128)
+    w = source.load(layer, "model.language_model.layers.5.self_attn.qkv_proj", names, 4, torch.device("cpu"))
+    k = ckpt.planes_of["model.language_model.layers.5.self_attn.k_proj"][:4]
+    planes = torch.stack(w.planes)
+    assert planes.shape == (4, 128, 16)
+    assert torch.equal(planes[:, 64:96], k) and torch.equal(planes[:, 96:], k)  # V's rows are K's
+    assert torch.equal(w.table[:, 96:], ckpt.tables_of["model.language_model.layers.5.self_attn.k_proj"])
+
+
+def test_model_config_attention_k_eq_v_is_read_under_text_config(tmp_path):
+    import json
+
+    from pagedweight.patches.linear import _attention_k_eq_v
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma4",
+                                                      "text_config": {"attention_k_eq_v": True}}))
+    assert _attention_k_eq_v(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_moe"}))
+    assert not _attention_k_eq_v(str(tmp_path)) and not _attention_k_eq_v(str(tmp_path / "missing"))

@@ -181,11 +181,25 @@ def _check_geometry(layer: torch.nn.Module, prefix: str, plan: ShardPlan, k_loca
 
 
 class CheckpointDenseSource:
-    def __init__(self, ckpt: Any):
+    """Dense linears from the AP checkpoint. `k_eq_v` (the model's `attention_k_eq_v`, Gemma-4): a layer whose
+    checkpoint has no v_proj shares K's weights for V (its full-attention layers ship k_proj only, and SGLang loads
+    k into both the k and v shards of the fused QKV), so v reads the layer's k_proj block. Without the flag a
+    missing v_proj is a broken checkpoint, refused as any missing block."""
+
+    def __init__(self, ckpt: Any, k_eq_v: bool = False):
         self.ckpt = ckpt
+        self.k_eq_v = k_eq_v
+
+    def block_of(self, name: str) -> str:
+        """The AP block that holds `name`'s weight."""
+        if self.k_eq_v and name.endswith(".v_proj") and not self.ckpt.has_block(name):
+            k = name[: -len("v_proj")] + "k_proj"
+            if self.ckpt.has_block(k):
+                return k
+        return name
 
     def has_blocks(self, names: tuple[str, ...]) -> bool:
-        present = [self.ckpt.has_block(n) for n in names]
+        present = [self.ckpt.has_block(self.block_of(n)) for n in names]
         if any(present) and not all(present):
             missing = [n for n, p in zip(names, present) if not p]
             raise ValueError(f"the AP checkpoint has only some blocks of a fused linear: {missing} are missing; "
@@ -195,7 +209,7 @@ class CheckpointDenseSource:
     def load(self, layer: torch.nn.Module, prefix: str, names: tuple[str, ...], bits: int,
              device: torch.device) -> DenseAPWeights:
         ckpt = self.ckpt
-        specs = {n: ckpt.spec(n) for n in names}
+        specs = {n: ckpt.spec(self.block_of(n)) for n in names}
         ks = {s.in_features for s in specs.values()}
         groups = {s.group_size for s in specs.values()}
         if len(ks) != 1 or len(groups) != 1:
@@ -207,8 +221,9 @@ class CheckpointDenseSource:
         _check_geometry(layer, prefix, plan, k_local)
         planes, tables = [], []
         for shard in plan.rows:
-            p = _slice_rows(ckpt.planes(shard.name, bits), 1, shard.start, shard.stop)
-            t = ckpt.table(shard.name, bits)
+            block = self.block_of(shard.name)
+            p = _slice_rows(ckpt.planes(block, bits), 1, shard.start, shard.stop)
+            t = ckpt.table(block, bits)
             t = _slice_rows(t, 1 if is_grouped(kind) else 0, shard.start, shard.stop)
             if plan.cols is not None:
                 c0, c1 = plan.cols
