@@ -111,27 +111,11 @@ def candidates(c13, c2, w2, names=None):
             table["sc2_sa4_2"] = (c13, replace(c2, stage_chunks=2, sa_stages=4))
             # two row tiles per warp on narrow stages (twice the rows per activation read; 12 KB rings, 3 blocks per SM)
             table["sc2_sa3_rt2_kb12_mb3"] = both(c13, c2, stage_chunks=2, sa_stages=3, row_tiles=2, ring_kb=12, min_blocks=3)
-            # a producer warp issues every copy, the computing warps wait on per-stage mbarriers: at the same blocks per
-            # SM (registers for 5 warps), at 3 blocks, with a third stage, and with narrow stages (more of them in flight)
-            table["prod"] = both(c13, c2, producer=True)
-            table["prod_mb3"] = both(c13, c2, producer=True, min_blocks=3)
-            table["prod_sa3_kb12_mb3"] = both(c13, c2, producer=True, sa_stages=3, ring_kb=12, min_blocks=3)
-            table["prod_sc2_sa4"] = both(c13, c2, producer=True, stage_chunks=2, sa_stages=4)
-            table["prod_sc2_sa4_mb3"] = both(c13, c2, producer=True, stage_chunks=2, sa_stages=4, min_blocks=3)
-            table["prod_sc2_sa3_kb12_mb3"] = both(c13, c2, producer=True, stage_chunks=2, sa_stages=3, ring_kb=12,
-                                                  min_blocks=3)
-            table["prod13"] = (replace(c13, producer=True), c2)
-            table["prod2"] = (c13, replace(c2, producer=True))
         else:
             table["sah"] = both(c13, c2, sums_ahead=True)
             table["nosah"] = both(c13, c2, sums_ahead=False)
             table["sc2"] = both(c13, c2, stage_chunks=2)  # four plane stages of two chunks in each warp's ring
             table["sc2_sah"] = both(c13, c2, stage_chunks=2, sums_ahead=True)
-            # a producer warp fills each warp's plane ring (every slot in flight), registers for 5 / 4 warps, deeper rings
-            table["prod"] = both(c13, c2, producer=True)
-            table["prod_mb3"] = both(c13, c2, producer=True, min_blocks=3)
-            table["prod_kb16_mb3"] = both(c13, c2, producer=True, ring_kb=16, min_blocks=3)
-            table["prod_kb12_mb3"] = both(c13, c2, producer=True, ring_kb=12, min_blocks=3)
         kps = c2.k_per_split or w2.K
         if kps < w2.K:  # w2 in half the K slices
             table["w2h"] = (c13, replace(c2, k_per_split=min(w2.K, 2 * kps)))

@@ -78,32 +78,6 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// mbarriers in shared memory (a phase completes once `count` arrivals came; waiters test the phase's parity)
-__device__ __forceinline__ void mbar_init(u32 bar, int count) {
-    asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-    asm volatile("{\n\t.reg .b64 state;\n\tmbarrier.arrive.shared.b64 state, [%0];\n\t}" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
-    u32 done;
-    asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    return done != 0;
-}
-
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    while (!mbar_try_wait(bar, parity)) {
-    }
-}
-
-// one arrival on `bar` once every cp.async this thread issued so far has landed (counted in the barrier's init count)
-__device__ __forceinline__ void cp_async_mbar_arrive(u32 bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(bar) : "memory");
-}
-
 __device__ __forceinline__ uint4 lds128(u32 addr) {
     uint4 v;
     asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));

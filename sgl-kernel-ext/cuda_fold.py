@@ -111,11 +111,6 @@ class FoldConfig:
     # from L2 a stage ahead into registers. Off: loaded from L2 at the start of the stage that uses them
     sums_in_ring: bool = False
     sums_ahead: bool = False
-    # one more warp per block issues every copy (each computing warp's planes; with shared_act each K range's
-    # activations and sums too) and the computing warps wait on a full mbarrier per ring slot instead of issuing copies
-    # (and, with shared_act, meeting at a block barrier); a slot is refilled once its readers have left it. min_blocks
-    # counts blocks of warps + 1 warps
-    producer: bool = False
 
     def __post_init__(self) -> None:
         if self.stage_chunks not in STAGE_CHUNKS:
@@ -140,10 +135,9 @@ class FoldConfig:
             raise ValueError(f"min_blocks must be in 1..16, got {self.min_blocks}")
         if self.warps not in WARPS:
             raise ValueError(f"warps must be one of {WARPS}, got {self.warps}")
-        if self.block_warps * self.min_blocks > MAX_WARPS_PER_SM:
-            raise ValueError(f"min_blocks={self.min_blocks} blocks of {self.block_warps} warps exceed the "
-                             f"{MAX_WARPS_PER_SM} warps an SM holds")
-
+        if self.warps * self.min_blocks > MAX_WARPS_PER_SM:
+            raise ValueError(f"min_blocks={self.min_blocks} blocks of {self.warps} warps exceed the {MAX_WARPS_PER_SM} "
+                             f"warps an SM holds")
         if self.sa_stages not in SA_STAGES:
             raise ValueError(f"sa_stages must be one of {SA_STAGES}, got {self.sa_stages}")
         if self.sums_in_ring and not self.shared_act:
@@ -158,10 +152,6 @@ class FoldConfig:
                              f"per block, more than the {MAX_SHARED_BYTES} a block may have")
 
     @property
-    def block_warps(self) -> int:  # warps a block launches: the computing warps and (producer) the one that copies
-        return self.warps + int(self.producer)
-
-    @property
     def slots(self) -> int:
         return 1 if self.direct else 8 * self.n_tiles
 
@@ -169,9 +159,7 @@ class FoldConfig:
     def shared_bytes(self) -> int:
         chunk_bytes = self.n_tiles * CHUNK * 8 * 2 + (self.slots * 4 if self.sums_in_ring else 0)
         act = self.wk * self.sa_stages * self.stage_chunks * chunk_bytes if self.shared_act else 0
-        # producer: a full and an empty mbarrier per ring slot, one set per block (shared_act) or per warp (8 slots)
-        barriers = 2 * (self.sa_stages if self.shared_act else self.warps * 8) * 8 if self.producer else 0
-        return self.warps * self.ring_kb * 1024 + act + barriers
+        return self.warps * self.ring_kb * 1024 + act
 
     @property
     def rows_per_block(self) -> int:  # A rows of one block (MODE 0: half are gate rows, half up rows)
@@ -222,8 +210,7 @@ def gemv_defines(mode: int, cfg: FoldConfig, bits_max: int, group_size: int, com
             f"-DRING={cfg.ring_kb * 1024}", f"-DSC={cfg.stage_chunks}", f"-DSPD={cfg.scale_stages}", f"-DBPF={int(cfg.act_prefetch)}",
             f"-DL2PF={cfg.l2_prefetch}", f"-DRT={cfg.row_tiles}", f"-DPDL={int(cfg.pdl)}",
             f"-DSA={int(cfg.shared_act)}", f"-DSAS={cfg.sa_stages}", f"-DSPLIT={int(cfg.split_chains)}",
-            f"-DNW={cfg.warps}", f"-DSUMR={int(cfg.sums_in_ring)}", f"-DSAH={int(cfg.sums_ahead)}",
-            f"-DPROD={int(cfg.producer)}"]
+            f"-DNW={cfg.warps}", f"-DSUMR={int(cfg.sums_in_ring)}", f"-DSAH={int(cfg.sums_ahead)}"]
 
 
 def prep_defines(cfg: FoldConfig, group_size: int, compute: int, x_dtype: torch.dtype) -> list[str]:
@@ -315,7 +302,7 @@ def _gemv(mode: int, cfg: FoldConfig, w: APMoEWeights, compute: int, out_code: i
     cfg.check_ring(w.bits_max)
     kernel = _compiled(_SOURCE, "ap_fold_gemv", tuple(gemv_defines(mode, cfg, w.bits_max, w.group_size, compute, out_code)),
                        device.index or 0, cfg.shared_bytes)
-    launch(kernel, grid, (32 * cfg.block_warps, 1, 1), shared_mem=cfg.shared_bytes, pdl=cfg.pdl,
+    launch(kernel, grid, (32 * cfg.warps, 1, 1), shared_mem=cfg.shared_bytes, pdl=cfg.pdl,
            args=[xf, xs, w.page_table, topk_weights, sorted_ids, expert_ids, post_pad, xf_out, xs_out, acc_out, out,
                  counters, bias, num_pairs, topk, n_out, w.N, w.K, m_rows, k_per_split, row_index, int(apply_w_in),
                  w.num_experts, w.page_table.stride(0), g_out, int(xunit_per_pair), int(has_bias)])

@@ -142,10 +142,6 @@
 #error "NW must be 4, 8 or 16"
 #endif
 #define NWARPS NW
-#ifndef PROD
-#define PROD 0  // one more warp per block (warp NWARPS) issues every copy; the others wait on per-stage mbarriers
-#endif
-#define NTHREADS ((NWARPS + PROD) * 32)
 #define WR (NWARPS / WK)  // row tiles per block
 #define SLOTS (DIRECT ? 1 : 8 * NT)
 #define CHUNK 128
@@ -153,21 +149,8 @@
 #define UNIT_CHUNK_ELEMS (NT * 4 * 32 * 8)  // 16-bit activation values of one unit and chunk
 #define SUM_CHUNK_BYTES (SUMR ? SLOTS * 4 : 0)  // SUMR: one chunk's group sums (float32 per slot) in the ring
 #define ACT_RING_BYTES (SA_STAGES * SC * (UNIT_CHUNK_ELEMS * 2 + SUM_CHUNK_BYTES))  // SA: one K range's activation ring (the widest stage)
-#define PPC (UNIT_CHUNK_ELEMS / 8)  // 16-byte pieces of one unit's chunk of activations
-// PROD: the ring slots' mbarriers after the rings, BAR_SETS sets of BAR_SLOTS: full (the producer's 32 lanes arrive as
-// their copies land), then empty (the threads that read the slot arrive once done with it). SA: one set for the block
-// (its warps step through the same stages); else one per warp (each walks its own K range), up to 8 slots each
-#define BARS_OFFSET (NWARPS * RING + (SA ? WK * ACT_RING_BYTES : 0))
-#define BAR_SETS (SA ? 1 : NWARPS)
-#define BAR_SLOTS (SA ? SA_STAGES : 8)
-#define BAR_READERS (SA ? NWARPS * 32 : 32)
 
 #include "cuda_common.cuh"
-
-__device__ __forceinline__ u32 bar_full(u32 bars, int set, int slot) { return bars + 8 * (set * BAR_SLOTS + slot); }
-__device__ __forceinline__ u32 bar_empty(u32 bars, int set, int slot) {
-    return bars + 8 * ((BAR_SETS + set) * BAR_SLOTS + slot);
-}
 
 #if CT == 0
 #define BIAS 128.f
@@ -327,35 +310,6 @@ __device__ __forceinline__ int k_range_of_warp(int bz, int wk, int chunks, int k
     return per;
 }
 
-// ------------------------------------------------------------ ring geometry of Q planes
-// The same for the warps that multiply and (PROD) the warp that fills their rings.
-template <int Q>
-struct RingGeom {
-    // chunks per stage: SC, halved where two stages (SA: SA_STAGES) of RT tiles of Q planes would not fit the ring
-    // (5-8 bits, or more than one tile, in the 8 KB ring)
-    static constexpr int SCQ = (SC == 4 && RING < (SA ? SA_STAGES : 2) * Q * 1024 * RT) ? 2 : SC;
-    static constexpr int PLANE_BYTES = 16 * SCQ * 16;  // one plane of one tile and stage: 16 rows x SCQ chunks x 16 bytes
-    static constexpr int TILE_BYTES = Q * PLANE_BYTES;
-    static constexpr int STAGE_BYTES = RT * TILE_BYTES;
-    static constexpr int DR = RING / STAGE_BYTES;
-    // ring slots (D - 1 stages in flight; 1: the warp waits for each stage); SA: the activation ring's SA_STAGES where
-    // the plane ring holds that many stages of Q planes, else fewer (the activation ring then leaves slots unused)
-    static constexpr int D = SA ? (DR < SA_STAGES ? DR : SA_STAGES) : (DR > 8 ? 8 : (DR < 1 ? 1 : DR));
-    static constexpr int ACT_DATA_BYTES = SCQ * UNIT_CHUNK_ELEMS * 2;  // one stage of the K range's activations
-    static constexpr int ACT_STAGE_BYTES = ACT_DATA_BYTES + SCQ * SUM_CHUNK_BYTES;  // SUMR: then the stage's group sums
-    static constexpr int ACT_STAGE_PIECES = ACT_DATA_BYTES / 16;  // 16-byte copies of one stage's activations (SA)
-    static constexpr int SUM_PIECES = SCQ * SUM_CHUNK_BYTES / 16;  // SUMR: 16-byte copies of its sums
-    static_assert(DR >= 1, "RING must hold one stage of PMAX planes");
-    static_assert(!SA || D >= 2, "SA needs the plane ring to hold two stages");
-};
-
-// slot of (row r, 16-byte chunk i) of a plane's stage piece: r * 16 SCQ + 16 (i ^ ring_swz(r)): conflict-free ldmatrix
-// phases (8 rows of one chunk) and cp.async phases (2 rows x 4 chunks)
-template <int SCQ>
-__device__ __forceinline__ int ring_swz(int r) {
-    return SCQ == 2 ? (r >> 2) & 1 : SCQ == 4 ? (r >> 1) & 3 : ((r & 1) << 2) | ((r >> 1) & 3);
-}
-
 // ------------------------------------------------------------ one warp: RT tiles of 16 rows x chunks [c_begin, c_end)
 // Tile r holds rows ra[r] (lane row g) and rb[r] (g + 8); every tile multiplies the same activation fragments, so a
 // warp of RT tiles loads each chunk's activations once for 16 RT rows.
@@ -367,13 +321,25 @@ template <int Q>
 __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, const float* xs, int n_table, int K,
                                           unsigned char* ring, u32 act_ring, const unsigned char* act_ring_ptr,
                                           const int* ra, const int* rb, int c_begin,
-                                          int c_end, int span, u32 bars, float (*y)[NT][4]) {
-    using R = RingGeom<Q>;
-    constexpr int SCQ = R::SCQ, PLANE_BYTES = R::PLANE_BYTES, TILE_BYTES = R::TILE_BYTES, STAGE_BYTES = R::STAGE_BYTES;
-    constexpr int D = R::D, ACT_DATA_BYTES = R::ACT_DATA_BYTES, ACT_STAGE_BYTES = R::ACT_STAGE_BYTES;
-    constexpr int ACT_STAGE_PIECES = R::ACT_STAGE_PIECES, SUM_PIECES = R::SUM_PIECES;
+                                          int c_end, int span, float (*y)[NT][4]) {
+    // chunks per stage: SC, halved where two stages (SA: SA_STAGES) of RT tiles of Q planes would not fit the ring
+    // (5-8 bits, or more than one tile, in the 8 KB ring)
+    constexpr int SCQ = (SC == 4 && RING < (SA ? SA_STAGES : 2) * Q * 1024 * RT) ? 2 : SC;
     constexpr int NP_HI = Q < 4 ? Q : 4;
     constexpr int NP_LO = Q > 4 ? Q - 4 : 0;
+    constexpr int PLANE_BYTES = 16 * SCQ * 16;  // one plane of one tile and stage: 16 rows x SCQ chunks x 16 bytes
+    constexpr int TILE_BYTES = Q * PLANE_BYTES;
+    constexpr int STAGE_BYTES = RT * TILE_BYTES;
+    constexpr int DR = RING / STAGE_BYTES;
+    // ring slots (D - 1 stages in flight; 1: the warp waits for each stage); SA: the activation ring's SA_STAGES where
+    // the plane ring holds that many stages of Q planes, else fewer (the activation ring then leaves slots unused)
+    constexpr int D = SA ? (DR < SA_STAGES ? DR : SA_STAGES) : (DR > 8 ? 8 : (DR < 1 ? 1 : DR));
+    static_assert(DR >= 1, "RING must hold one stage of PMAX planes");
+    static_assert(!SA || D >= 2, "SA needs the plane ring to hold two stages");
+    constexpr int ACT_DATA_BYTES = SCQ * UNIT_CHUNK_ELEMS * 2;  // one stage of the K range's activations
+    constexpr int ACT_STAGE_BYTES = ACT_DATA_BYTES + SCQ * SUM_CHUNK_BYTES;  // SUMR: then the stage's group sums
+    constexpr int ACT_STAGE_PIECES = ACT_DATA_BYTES / 16;  // 16-byte copies of one stage's activations (SA)
+    constexpr int SUM_PIECES = SCQ * SUM_CHUNK_BYTES / 16;  // SUMR: 16-byte copies of its sums (one per lane)
     static_assert(SUM_PIECES <= WR * 32, "SUMR: a stage's sums must take one copy per lane of the K range");
     constexpr int ACT_PIECES = (ACT_STAGE_PIECES + WR * 32 - 1) / (WR * 32);  // per lane (the last may be idle)
     const int nstages = (span + SCQ - 1) / SCQ;  // span: chunks from c_begin (SA: the same for every warp of the block)
@@ -400,7 +366,9 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
         tab_a[r] = table + (long long)ra[r] * ngroups;
         tab_b[r] = table + (long long)rb[r] * ngroups;
     }
-    auto swz = [](int r) { return ring_swz<SCQ>(r); };
+    auto swz = [](int r) {
+        return SCQ == 2 ? (r >> 2) & 1 : SCQ == 4 ? (r >> 1) & 3 : ((r & 1) << 2) | ((r >> 1) & 3);
+    };
     const u32 ring_base = smem_u32(ring);
     const u32 dst_a = (u32)(g * SCQ * 16 + ((t ^ swz(g)) << 4)), dst_b = (u32)((g + 8) * SCQ * 16 + ((t ^ swz(g + 8)) << 4));
     const u32 dst_a4 = (u32)(g * SCQ * 16 + (((t + 4) ^ swz(g)) << 4));
@@ -412,9 +380,10 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     const int toff = n_table * ngroups;
     const u16* xl = xf + lane * 8;
     const int piece0 = (((int)threadIdx.x >> 5) % WR) * 32 + lane;  // SA: this lane's first copy of a stage
-    // SA: the address of this lane's first piece at stage 0. Its other pieces lie at offsets fixed at compile time (WR * 32
-    // and PPC are powers of two, one a multiple of the other), so a stage inside the K range copies from one address per
-    // lane; only a stage that reaches past it clamps each chunk
+    // SA: 16-byte pieces per chunk, and the address of this lane's first piece at stage 0. Its other pieces lie at offsets
+    // fixed at compile time (WR * 32 and PPC are powers of two, one a multiple of the other), so a stage inside the K
+    // range copies from one address per lane; only a stage that reaches past it clamps each chunk
+    constexpr int PPC = UNIT_CHUNK_ELEMS / 8;
     static_assert((WR * 32) % PPC == 0 || PPC % (WR * 32) == 0, "SA: lanes per K range and pieces per chunk must nest");
     const u16* act_lane = xf + (long long)(c_begin + piece0 / PPC) * UNIT_CHUNK_ELEMS + (piece0 % PPC) * 8;
 
@@ -536,10 +505,7 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
         }
     };
 
-    // PROD: the producer warp copies every stage (produce_stages); this warp waits on the slot's full barrier
-    const int bar_set = SA ? 0 : (int)(threadIdx.x >> 5);
-    if (PROD) {
-    } else if (SA) {
+    if (SA) {
         // the planes of the first D - 1 stages while the kernel before finishes; the activations it writes after
         // pdl_wait (cp.async group 0 then holds those planes and stage 0's activations)
 #pragma unroll
@@ -582,9 +548,7 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     if constexpr (SAH) load_sums(0, S_nx);
 
     for (int si = 0; si < nstages; ++si) {
-        if (PROD) {
-            mbar_wait(bar_full(bars, bar_set, si % D), (u32)(si / D) & 1u);  // the producer's copies of stage si landed
-        } else if (SA) {
+        if (SA) {
             // stage si complete in this thread; the barrier makes every warp's copies visible and tells that all are
             // done with stage si - 1, whose slots the next copies take
             cp_async_wait<D - 2>();
@@ -702,137 +666,9 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
             }
         }
         if (!SA) __syncwarp();
-        if (PROD) mbar_arrive(bar_empty(bars, bar_set, si % D));  // done with the slot: the producer may refill it
     }
     cp_async_wait<0>();
 }
-
-#if PROD
-// The block's producer warp (warp NWARPS): every cp.async of every stage. Lane (g, t) copies, for each computing warp w,
-// what lane (g, t) of w would copy without it (rows g and g + 8 of w's tiles, chunk t (and t + 4) of the stage, into w's
-// ring), and (SA) each K range's activations and SUMR group sums into its ring; each lane then arrives on the slot's
-// full barrier as its copies land (cp.async.mbarrier.arrive). A slot is refilled once its readers arrived on its empty
-// barrier, so up to D stages are in flight and no computing warp waits at a block barrier or issues a copy. SA: the
-// block's warps share one set of barriers and the same stages; else each warp its own, over its own K range (the
-// producer serves the warps round robin, stage by stage, skipping those without rows or K range, as the kernel does).
-template <int Q>
-__device__ __forceinline__ void produce_stages(const long long* prow, const u16* xf, const float* xs, int K, int n_out,
-                                               int chunks, int k_per_split, int span, u32 smem_base, u32 bars) {
-    using R = RingGeom<Q>;
-    constexpr int SCQ = R::SCQ, PLANE_BYTES = R::PLANE_BYTES, TILE_BYTES = R::TILE_BYTES, STAGE_BYTES = R::STAGE_BYTES;
-    constexpr int D = R::D, ACT_DATA_BYTES = R::ACT_DATA_BYTES, ACT_STAGE_BYTES = R::ACT_STAGE_BYTES;
-    constexpr int ACT_STAGE_PIECES = R::ACT_STAGE_PIECES, SUM_PIECES = R::SUM_PIECES;
-    static_assert(SUM_PIECES <= 32, "SUMR: a stage's sums must take one copy per producer lane");
-    const int nstages = (span + SCQ - 1) / SCQ;
-    const int lane = threadIdx.x & 31;
-    const int g = lane >> 2, t = lane & 3;
-    const long long row_bytes = K >> 3;
-    const unsigned char* plane[Q];
-#pragma unroll
-    for (int p = 0; p < Q; ++p) plane[p] = (const unsigned char*)prow[2 + p];
-    const u32 dst_a = (u32)(g * SCQ * 16 + ((t ^ ring_swz<SCQ>(g)) << 4));
-    const u32 dst_b = (u32)((g + 8) * SCQ * 16 + ((t ^ ring_swz<SCQ>(g + 8)) << 4));
-    const u32 dst_a4 = (u32)(g * SCQ * 16 + (((t + 4) ^ ring_swz<SCQ>(g)) << 4));
-    const u32 dst_b4 = (u32)((g + 8) * SCQ * 16 + (((t + 4) ^ ring_swz<SCQ>(g + 8)) << 4));
-
-    // stage si of warp w's planes into its ring
-    auto issue_warp = [&](int w, int si) {
-        int na[RT], nb[RT], ra[RT], rb[RT], cb, ce;
-        rows_of_warp(blockIdx.y, w % WR, g, n_out, na, nb, ra, rb);
-        k_range_of_warp(blockIdx.z, w / WR, chunks, k_per_split, cb, ce);
-        const int c = cb + si * SCQ + t;
-        {
-            if (t < SCQ && c < ce) {
-#pragma unroll
-                for (int r = 0; r < RT; ++r) {
-                    const u32 base = smem_base + (u32)(w * RING + (si % D) * STAGE_BYTES + r * TILE_BYTES);
-                    const long long oa = (long long)ra[r] * row_bytes + (long long)c * 16;
-                    const long long ob = (long long)rb[r] * row_bytes + (long long)c * 16;
-#pragma unroll
-                    for (int p = 0; p < Q; ++p) {
-                        cp_async16(base + p * PLANE_BYTES + dst_a, plane[p] + oa);
-                        cp_async16(base + p * PLANE_BYTES + dst_b, plane[p] + ob);
-                    }
-                    if (SCQ == 8 && c + 4 < ce) {
-#pragma unroll
-                        for (int p = 0; p < Q; ++p) {
-                            cp_async16(base + p * PLANE_BYTES + dst_a4, plane[p] + oa + 64);
-                            cp_async16(base + p * PLANE_BYTES + dst_b4, plane[p] + ob + 64);
-                        }
-                    }
-                }
-            }
-            (void)na; (void)nb;
-        }
-    };
-    auto issue_planes = [&](int si) {
-#pragma unroll 1
-        for (int w = 0; w < NWARPS; ++w) issue_warp(w, si);
-    };
-    // each K range's activations of stage si (a chunk past the range copies its last chunk, as in warp_rows)
-    auto issue_acts = [&](int si) {
-#pragma unroll 1
-        for (int wk = 0; wk < WK; ++wk) {
-            int cb, ce;
-            k_range_of_warp(blockIdx.z, wk, chunks, k_per_split, cb, ce);
-            const u32 base = smem_base + (u32)(NWARPS * RING + wk * ACT_RING_BYTES + (si % D) * ACT_STAGE_BYTES);
-#pragma unroll 4
-            for (int piece = lane; piece < ACT_STAGE_PIECES; piece += 32) {
-                const int c = max(0, min(cb + si * SCQ + piece / PPC, ce - 1));
-                cp_async16(base + (u32)piece * 16, xf + (long long)c * UNIT_CHUNK_ELEMS + (piece % PPC) * 8);
-            }
-            if (SUMR && lane < SUM_PIECES) {
-                constexpr int PER_CHUNK = SUM_CHUNK_BYTES / 16 > 0 ? SUM_CHUNK_BYTES / 16 : 1;
-                const int c = cb + si * SCQ + lane / PER_CHUNK;
-                if (c < ce && (c + 1) % GC == 0)
-                    cp_async16(base + (u32)(ACT_DATA_BYTES + lane * 16),
-                               xs + (long long)((c * CHUNK) / G) * SLOTS + (lane % PER_CHUNK) * 4);
-            }
-        }
-    };
-
-    if (SA) {
-        const int first = nstages < D ? nstages : D;
-        // every slot's planes while the kernel before finishes; the activations it writes after pdl_wait
-        for (int st = 0; st < first; ++st) issue_planes(st);
-        pdl_wait();
-        for (int st = 0; st < first; ++st) {
-            issue_acts(st);
-            cp_async_mbar_arrive(bar_full(bars, 0, st));
-        }
-        for (int si = D; si < nstages; ++si) {
-            mbar_wait(bar_empty(bars, 0, si % D), (u32)(si / D - 1) & 1u);  // the computing warps left stage si - D
-            issue_planes(si);
-            issue_acts(si);
-            cp_async_mbar_arrive(bar_full(bars, 0, si % D));
-        }
-    } else {
-        // each warp's stages over its own K range (the kernel runs a warp only with rows and a K range); the planes only
-        // (the computing warps load their activations from L2), so nothing here waits for the kernel before
-        int ns[NWARPS];
-        int most = 0;
-#pragma unroll
-        for (int w = 0; w < NWARPS; ++w) {
-            int na[RT], nb[RT], ra[RT], rb[RT], cb, ce;
-            const bool rows = rows_of_warp(blockIdx.y, w % WR, g, n_out, na, nb, ra, rb);
-            k_range_of_warp(blockIdx.z, w / WR, chunks, k_per_split, cb, ce);
-            ns[w] = rows && cb < ce ? (ce - cb + SCQ - 1) / SCQ : 0;
-            most = max(most, ns[w]);
-        }
-        for (int si = 0; si < most; ++si) {
-#pragma unroll
-            for (int w = 0; w < NWARPS; ++w) {
-                if (si >= ns[w]) continue;
-                if (si >= D) mbar_wait(bar_empty(bars, w, si % D), (u32)(si / D - 1) & 1u);
-                issue_warp(w, si);
-                cp_async_mbar_arrive(bar_full(bars, w, si % D));
-            }
-        }
-        (void)span; (void)issue_acts;
-    }
-    cp_async_wait<0>();
-}
-#endif
 
 
 #if MODE == 0
@@ -901,7 +737,7 @@ __device__ __forceinline__ void w2_add_tile(const float (*yt)[4], int n_a, int n
 // the output dtype of rows [r0, r0 + nrows) of the float32 [M, N] sums, plus the bias (the last block of a row block)
 __device__ __forceinline__ void convert_rows(const float* acc_out, void* out, const void* bias, int has_bias, int m_rows,
                                              int n_out, int r0, int nrows) {
-    for (int idx = threadIdx.x; idx < m_rows * nrows; idx += NTHREADS) {
+    for (int idx = threadIdx.x; idx < m_rows * nrows; idx += NWARPS * 32) {
         const int m = idx / nrows, n = r0 + idx % nrows;
         float v = __ldcg(acc_out + (long long)m * n_out + n);
 #if OT == 0
@@ -922,7 +758,7 @@ __device__ __forceinline__ void convert_rows(const float* acc_out, void* out, co
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(NTHREADS, MINB) ap_fold_gemv(
+extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_fold_gemv(
     const u16* xf, const float* xs, const long long* page_table, const float* topk_weights, const int* sorted_ids,
     const int* expert_ids, const int* post_pad, u16* xf_out, float* xs_out, float* acc_out, void* out,
     int* counters, const void* bias, int num_pairs, int topk, int n_out, int n_table, int K, int m_rows,
@@ -931,8 +767,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MINB) ap_fold_gemv(
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int wr = warp % WR, wk = warp / WR;  // the producer warp (PROD): wr 0, wk WK (no rows, no K range of its own)
-    const bool producer = PROD && warp == NWARPS;
+    const int wr = warp % WR, wk = warp / WR;
     const int rt0 = (blockIdx.y * WR + wr) * RT;  // first row tile of this warp (it holds RT consecutive tiles)
     const int chunks = K / CHUNK;
 
@@ -947,7 +782,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MINB) ap_fold_gemv(
     const int per = k_range_of_warp(blockIdx.z, wk, chunks, k_per_split, c_begin, c_end);
     // SA: every warp of a block with an expert steps through the same stages (a block barrier per stage); a warp past
     // the last rows reads the last row (clamped) and stores nothing, one past the K range multiplies zeros
-    const bool active = SA || producer ? expert >= 0 : expert >= 0 && tile_ok && c_begin < c_end;
+    const bool active = SA ? expert >= 0 : expert >= 0 && tile_ok && c_begin < c_end;
 
     // input unit of the activations
 #if DIRECT
@@ -965,19 +800,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MINB) ap_fold_gemv(
     u16* xo = xf_out + (long long)blockIdx.x * (n_out / CHUNK) * UNIT_CHUNK_ELEMS;  // this unit's w2 activations
     float* xs_unit = xs_out + (long long)blockIdx.x * (n_out / g_out) * SLOTS;
 #endif
-#if PROD
-    const u32 bars = smem_u32(smem + BARS_OFFSET);
-    if (threadIdx.x == 0) {
-        for (int set = 0; set < BAR_SETS; ++set)
-            for (int s = 0; s < BAR_SLOTS; ++s) {
-                mbar_init(bar_full(bars, set, s), 32);             // the producer's lanes
-                mbar_init(bar_empty(bars, set, s), BAR_READERS);  // the threads that read the slot
-            }
-    }
-    __syncthreads();
-#else
-    const u32 bars = 0;
-#endif
     if (active) {
         const long long* prow = page_table + (long long)expert * pt_stride;
         const int q = (int)prow[0];
@@ -988,19 +810,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MINB) ap_fold_gemv(
         const u32 act_ring = smem_u32(act_ring_ptr);
 #define CALL_ROWS(Q) \
     warp_rows<(Q <= PMAX ? Q : 1)>(prow, xfu, xsu, n_table, K, ring, act_ring, act_ring_ptr, ra, rb, c_begin, c_end, \
-                                   SA ? per : c_end - c_begin, bars, y)
-#if PROD
-#define CALL_PRODUCE(Q) \
-    produce_stages<(Q <= PMAX ? Q : 1)>(prow, xfu, xsu, K, n_out, chunks, k_per_split, per, smem_u32(smem), bars)
-        if (producer) {
-            Q_SWITCH(q, CALL_PRODUCE)
-        } else {
-            Q_SWITCH(q, CALL_ROWS)
-        }
-#undef CALL_PRODUCE
-#else
+                                   SA ? per : c_end - c_begin, y)
         Q_SWITCH(q, CALL_ROWS)
-#endif
 #undef CALL_ROWS
     }
     // every thread waits before the epilogue's reads and writes (a no-op for the warps that waited in warp_rows, once
@@ -1013,7 +824,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MINB) ap_fold_gemv(
         __syncthreads();
         float* red = (float*)smem;
         constexpr int PER_LANE = RT * NT * 4;
-        if (wk > 0 && !producer) {
+        if (wk > 0) {
 #pragma unroll
             for (int r = 0; r < RT; ++r)
 #pragma unroll
@@ -1035,7 +846,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MINB) ap_fold_gemv(
                             y[r][nt][c] += red[(((p - 1) * WR + wr) * 32 + lane) * PER_LANE + (r * NT + nt) * 4 + c];
         }
     }
-    if (producer || wk != 0 || expert < 0 || !tile_ok) return;
+    if (wk != 0 || expert < 0 || !tile_ok) return;
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
         if (8 * (rt0 + r) >= n_out) break;  // uniform: the tiles past the end
@@ -1044,7 +855,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MINB) ap_fold_gemv(
     (void)nb;
 #else
     // float32 atomics into [M, N], then the last block of each row block converts it
-    if (active && !producer) {
+    if (active) {
 #pragma unroll
         for (int r = 0; r < RT; ++r)
             w2_add_tile(y[r], na[r], nb[r], n_out, num_pairs, sorted_ids, topk_weights, apply_w_in, topk, m_rows,

@@ -70,20 +70,13 @@ def test_every_variant_compiles_for_sm90(mode):
                 FoldConfig(1, wk=2, sums_ahead=True), FoldConfig(2, sums_ahead=True, pdl=True),
                 FoldConfig(1, shared_act=True, stage_chunks=2, sa_stages=4, pdl=True),
                 FoldConfig(2, shared_act=True, stage_chunks=2, sa_stages=4, sums_in_ring=True, row_tiles=2,
-                           ring_kb=16, min_blocks=3), FoldConfig(1, wk=2, stage_chunks=2),
-                FoldConfig(1, shared_act=True, producer=True, pdl=True),
-                FoldConfig(2, wk=2, shared_act=True, producer=True, sums_in_ring=True, sa_stages=3, ring_kb=12,
-                           min_blocks=3),
-                FoldConfig(2, shared_act=True, producer=True, sums_in_ring=True, row_tiles=2, ring_kb=16, min_blocks=3),
-                FoldConfig(1, shared_act=True, producer=True, stage_chunks=2, sa_stages=4, warps=8, min_blocks=2),
-                FoldConfig(2, wk=2, producer=True, ring_kb=16, min_blocks=3))):
+                           ring_kb=16, min_blocks=3), FoldConfig(1, wk=2, stage_chunks=2))):
         bits_max, group, compute = ((8, 128, 0), (4, 256, 1))[(i + mode) % 2]
         jobs.append(functools.partial(compile_to_cubin, gemv_defines(mode, cfg, bits_max, group, compute, out=compute),
                                       "90"))
     if mode != 2:
         for cfg in (FoldConfig(1, direct=True), FoldConfig(1, direct=True, wk=4),
-                    FoldConfig(1, direct=True, sums_ahead=True, pdl=True),
-                    FoldConfig(1, direct=True, wk=2, producer=True, pdl=True, min_blocks=3)):
+                    FoldConfig(1, direct=True, sums_ahead=True, pdl=True)):
             jobs.append(functools.partial(compile_to_cubin, gemv_defines(mode, cfg, 8, 128, 0, 2), "90"))
     if mode == 0:  # the prep kernel does not depend on the mode
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -162,21 +155,6 @@ def test_group_sums_in_the_ring_or_a_stage_ahead_size_and_refuse():
         compile_to_cubin(gemv_defines(1, FoldConfig(1), 4, 128, 0) + ["-DSUMR=1"], "90")
     with pytest.raises(RuntimeError, match="SAH is for the path without SA"):
         compile_to_cubin(gemv_defines(1, FoldConfig(1, shared_act=True), 4, 128, 0) + ["-DSAH=1"], "90")
-
-
-def test_producer_warp_adds_one_warp_and_the_stage_barriers():
-    """producer: one more warp per block (launched, and counted against the SM's warps) and a full and an empty
-    mbarrier per ring slot after the rings: one set per block under the shared activation ring (its stages), else
-    one set of 8 per warp (each warp walks its own K range)."""
-    sa = FoldConfig(1, shared_act=True, sa_stages=3, ring_kb=12, min_blocks=3)
-    prod = dataclasses.replace(sa, producer=True)
-    assert (sa.block_warps, prod.block_warps) == (4, 5) and prod.rows_per_block == sa.rows_per_block
-    assert prod.shared_bytes == sa.shared_bytes + 2 * 3 * 8
-    assert "-DPROD=1" in gemv_defines(1, prod, 4, 128, 0) and "-DPROD=0" in gemv_defines(1, sa, 4, 128, 0)
-    direct = FoldConfig(1, direct=True, wk=2, producer=True, min_blocks=3)
-    assert direct.shared_bytes == FoldConfig(1, direct=True, wk=2).shared_bytes + 2 * 4 * 8 * 8
-    with pytest.raises(ValueError, match="blocks of 17 warps exceed the 64 warps"):
-        FoldConfig(1, shared_act=True, producer=True, warps=16, min_blocks=4)
 
 
 def test_warps_per_block_size_the_block_rings_and_registers():
@@ -398,19 +376,6 @@ def test_linear_explicit_configs_and_large_activations():
 
 
 @needs_cuda
-def test_linear_producer_warp_matches_reference():
-    """A dense linear with a producer warp: under the shared ring (K over 2 warps; sums in the ring, slices of 3
-    chunks) and without it (each warp its own stages)."""
-    proj = random_ap_projection(1, 520, 1280, [5], table_kind="ubcq", bits_min=2, device="cuda")
-    x = torch.randn(3, 1280, device="cuda", dtype=torch.bfloat16)
-    ref = ap_linear_reference(x.float(), proj.weights)
-    for cfg in (FoldConfig(1, wk=2, shared_act=True, producer=True),
-                FoldConfig(2, k_per_split=384, shared_act=True, producer=True, sums_in_ring=True, ring_kb=16),
-                FoldConfig(1, k_per_split=256, producer=True, min_blocks=3)):
-        assert rel_err(ap_linear_fold(x, proj.weights, 0, None, cfg), ref) < 2e-2, cfg
-
-
-@needs_cuda
 @pytest.mark.parametrize("bits", [3, 4, 8])
 def test_linear_reads_tables_at_any_alignment(bits):
     """A table that starts 2 bytes past a 4-byte boundary, 11 groups per row (rows alternate parity): every
@@ -496,34 +461,13 @@ def reference_layouts() -> list[tuple[FoldConfig, FoldConfig]]:
     return layouts
 
 
-def producer_layouts() -> list[tuple[FoldConfig, FoldConfig]]:
-    """(w13, w2) pairs with a producer warp (test_producer_warp_matches_reference, `-k producer` on its own: a wrong
-    barrier phase hangs rather than fails): under the shared ring (K split over 2 / 4 warps, w2 slices of one chunk,
-    sums in the ring, three stages, row tiles, narrow stages at 8 warps) and without it (each warp its own stages)."""
-    layouts = []
-    layouts.append((FoldConfig(1, wk=2, shared_act=True, producer=True, pdl=True),
-                    FoldConfig(1, k_per_split=128, shared_act=True, producer=True)))
-    layouts.append((FoldConfig(2, wk=4, shared_act=True, producer=True, sums_in_ring=True),
-                    FoldConfig(2, k_per_split=256, shared_act=True, producer=True, sums_in_ring=True, row_tiles=2,
-                               ring_kb=16, min_blocks=3, pdl=True)))
-    layouts.append((FoldConfig(1, shared_act=True, producer=True, sa_stages=3, ring_kb=12, min_blocks=3),
-                    FoldConfig(1, shared_act=True, producer=True, stage_chunks=2, sa_stages=4, warps=8, min_blocks=2)))
-    # without the shared ring: each warp's own stages (one pair per block with K over 4 warps, the last part short at
-    # K = 640; w2 slices; blocks of slots with a 16 KB ring, four stages of 4 planes)
-    layouts.append((FoldConfig(1, direct=True, wk=4, producer=True, pdl=True),
-                    FoldConfig(1, direct=True, k_per_split=256, producer=True, min_blocks=3)))
-    layouts.append((FoldConfig(2, wk=2, producer=True, ring_kb=16, min_blocks=3),
-                    FoldConfig(2, k_per_split=128, producer=True, row_tiles=2, ring_kb=16, min_blocks=3)))
-    return layouts
-
-
 @pytest.fixture(scope="module")
 def reference_kernels_built():
     """Every kernel the reference layouts launch (bf16, 8-plane parents, groups of 128) built on all cores first:
     NVRTC releases the GIL, so the GPU test pays a fraction of the ~100 serial builds (the job tuples are
     `_compiled`'s positional arguments as `_gemv` and `_prep` pass them, so its cache serves the launches)."""
     jobs = []
-    for c13, c2 in reference_layouts() + producer_layouts():
+    for c13, c2 in reference_layouts():
         for mode, cfg in ((0, c13), (1, c2)):
             jobs.append((cuda_fold._SOURCE, "ap_fold_gemv", tuple(gemv_defines(mode, cfg, 8, 128, 0, 0)), 0,
                          cfg.shared_bytes))
@@ -538,7 +482,7 @@ def reference_kernels_built():
 
 def test_reference_layouts_share_one_block_layout():
     """The launcher runs w13 and w2 over one alignment, so each pair the GPU reference test runs must agree on it."""
-    pairs = reference_layouts() + producer_layouts()
+    pairs = reference_layouts()
     assert len(pairs) >= 20
     for c13, c2 in pairs:
         assert (c13.slots, c13.direct) == (c2.slots, c2.direct), (c13, c2)
@@ -555,20 +499,6 @@ def test_moe_matches_reference(num_experts, topk, m, pattern, reference_kernels_
     x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
     ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
     for cfgs in reference_layouts():
-        out = ap_fused_moe_fold(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
-        assert rel_err(out, ref) < 2e-2, cfgs
-
-
-@needs_cuda
-@pytest.mark.parametrize("num_experts,topk,m,pattern", MOE_REFERENCE_CASES)
-def test_producer_warp_matches_reference(num_experts, topk, m, pattern, reference_kernels_built):
-    hidden, inter = 640, 384
-    bits13, bits2 = mixed_bits(num_experts)
-    p13, p2 = _layer(num_experts, hidden, inter, bits13, bits2, seed=num_experts + m)
-    tw, ids = routing(m, num_experts, topk, pattern, seed=m)
-    x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
-    ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
-    for cfgs in producer_layouts():
         out = ap_fused_moe_fold(x, tw, ids, p13.weights, p2.weights, configs=cfgs)
         assert rel_err(out, ref) < 2e-2, cfgs
 
