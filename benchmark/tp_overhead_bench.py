@@ -68,11 +68,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def git_commit() -> str:
-    """HEAD's short hash, '+dirty' when tracked files differ from it; without a git checkout (the device machine
-    gets a copy of the work tree) $PW_COMMIT, else 'unknown'."""
+    """$PW_COMMIT when set (the device machine's copy of the work tree may carry stale git metadata), else HEAD's
+    short hash, '+dirty' when tracked files differ from it, else 'unknown'."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
+    if os.environ.get("PW_COMMIT"):
+        return os.environ["PW_COMMIT"]
     head = git("rev-parse", "--short=12", "HEAD")
     if not head:
         return os.environ.get("PW_COMMIT", "unknown")
