@@ -27,8 +27,7 @@ import traceback
 import torch
 
 from pagedweight.kernels import ap_fused_moe
-from pagedweight.kernels.api import _use_cuda_kernel
-from pagedweight.kernels.config import prefer_fold, prefer_grouped, prefer_lut, prefer_mma
+from pagedweight.kernels.api import _use_cuda_kernel, moe_kernel_rules
 from pagedweight.kernels.reference import ap_fused_moe_reference
 from pagedweight.kernels.testing import random_ap_projection
 
@@ -40,8 +39,7 @@ KERNELS = ("fold", "mma", "lut")
 
 def default_kernel(M: int, topk: int, E: int, w13, w2) -> str:
     """What ap_fused_moe(kernel="auto") runs (api.ap_fused_moe asks the rules in this order)."""
-    for name, wins in (("fold", prefer_fold(M, topk, E, w2.K)), ("mma", prefer_mma(M, topk, E)),
-                       ("lut", prefer_lut(M, topk, E)), ("grouped", prefer_grouped(M, topk, E))):
+    for name, wins in moe_kernel_rules(M, topk, E, w2.K):
         if _use_cuda_kernel(name, "auto", True, (w13, w2), wins, False):
             return name
     return "triton"

@@ -36,6 +36,7 @@ from pagedweight.format.layout import DEFAULT_TABLE_KIND
 from pagedweight.kernels import APKernelConfig, ap_fused_moe
 from pagedweight.kernels.config import default_moe_configs, prefer_fold, prefer_lut, prefer_mma
 from pagedweight.kernels.cuda_fold import fold_moe_unsupported
+from pagedweight.kernels.cuda_mma import mma_unsupported
 from pagedweight.kernels.sglang_dense_moe import sglang_moe_configs
 from pagedweight.kernels.reference import ap_fused_moe_reference
 from pagedweight.kernels.testing import random_ap_projection
@@ -309,7 +310,8 @@ def main() -> None:
                     # call on the other kernels, same run
                     fold_ok = kind == "ubcq" and fold_moe_unsupported(w13, w2) is None
                     fold_default = fold_ok and prefer_fold(M, topk, E, I)
-                    mma_default = kind == "ubcq" and not fold_default and prefer_mma(M, topk, E)
+                    mma_default = (kind == "ubcq" and not fold_default and (prefer_mma(M, topk, E) or prefer_fold(M, topk, E, I))
+                                   and mma_unsupported(w13) is None and mma_unsupported(w2) is None)
                     lut_default = kind != "kmeans" and not fold_default and not mma_default and prefer_lut(M, topk, E)
                     r["default_kernel"] = ("fold" if fold_default else "mma" if mma_default else "lut" if lut_default
                                            else "dequant" if c13.dequant_chunk else "tiles")

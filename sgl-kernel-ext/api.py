@@ -95,6 +95,15 @@ def _use_cuda_kernel(name: str, kernel: Kernel, on_cuda: bool, weights: tuple[AP
     return why is None and wins and not explicit_config
 
 
+def moe_kernel_rules(m: int, topk: int, num_experts: int, intermediate: int) -> tuple[tuple[str, bool], ...]:
+    """(CUDA kernel, whether its size rule wins) in the order ap_fused_moe asks them: their ranges overlap and the
+    first that wins and can run serves the call. The MMA kernel also takes the fold kernel's range, where fold
+    cannot run (groups under 128, an intermediate size that is not a multiple of 128)."""
+    fold = prefer_fold(m, topk, num_experts, intermediate)
+    return (("fold", fold), ("mma", fold or prefer_mma(m, topk, num_experts)), ("lut", prefer_lut(m, topk, num_experts)),
+            ("grouped", prefer_grouped(m, topk, num_experts)))
+
+
 def ap_fused_moe(
     hidden: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -126,10 +135,7 @@ def ap_fused_moe(
             activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
         )
     m, topk = topk_ids.shape
-    # the CUDA kernels in the order their rules are asked (their size ranges overlap: the first eligible wins)
-    rules = (("fold", prefer_fold(m, topk, w13.num_experts, w2.K)), ("mma", prefer_mma(m, topk, w13.num_experts)),
-             ("lut", prefer_lut(m, topk, w13.num_experts)), ("grouped", prefer_grouped(m, topk, w13.num_experts)))
-    for name, wins in rules:
+    for name, wins in moe_kernel_rules(m, topk, w13.num_experts, w2.K):
         if _use_cuda_kernel(name, kernel, hidden.is_cuda, (w13, w2), wins, configs is not None):
             if m == 0:
                 return torch.zeros_like(hidden)

@@ -9,7 +9,8 @@ once per call as fp16 in the fragment order (`ap_mma_prep`, with a power-of-two 
 value overflows fp16).
 
 Scope: CUDA, ubcq tables (one scale and offset per group: the weight is affine in the code), group size a
-power of two >= 32, K a multiple of 128, plane addresses 16-byte aligned. `mma_unsupported` says why a
+power of two >= 32, K a multiple of 64 (where it is not one of 128 the planes load in 8-byte halves), plane
+addresses 16-byte aligned. `mma_unsupported` says why a
 block is not eligible; callers then use another kernel.
 """
 
@@ -27,6 +28,9 @@ from pagedweight.kernels.nvrtc import compile_cubin, load_kernel
 from pagedweight.kernels.weights import APMoEWeights
 
 CHUNK = 128  # inputs per lane and step (one 16-byte load per plane and row)
+# K may also end half way through a chunk (e.g. Qwen1.5-MoE's intermediate 1408 split over 2 ranks: 704): the kernel
+# then loads the planes in 8-byte halves (its rows are only 8-byte aligned) and skips the missing half (`KH`)
+HALF_CHUNK = CHUNK // 2
 STEP = 4 * CHUNK  # inputs per warp step
 NWARPS = 4
 ROWS_PER_BLOCK = 16 * NWARPS
@@ -72,8 +76,8 @@ def mma_unsupported(w: APMoEWeights) -> str | None:
     g = w.group_size
     if g < 32 or g & (g - 1) or w.K % g:
         return f"ubcq group size {g} is not a power of two >= 32 dividing K={w.K}"
-    if w.K % CHUNK:
-        return f"K={w.K} is not a multiple of {CHUNK}"
+    if w.K % HALF_CHUNK:
+        return f"K={w.K} is not a multiple of {HALF_CHUNK}"
     if not w.page_table.is_cuda:
         return "the page table is not on a CUDA device"
     return None
@@ -109,9 +113,10 @@ def default_mma_config(active_blocks_m: int, n_tiles: int, n: int, k: int, num_s
 
 
 def kernel_defines(mode: int, n_tiles: int, bits_max: int, group_size: int, direct: bool = False,
-                   min_blocks: int = 1, l2_prefetch: int = DEFAULT_L2_PREFETCH) -> list[str]:
+                   min_blocks: int = 1, l2_prefetch: int = DEFAULT_L2_PREFETCH, k: int = CHUNK) -> list[str]:
+    """NVRTC defines of one variant; `k` (the projection's K) only says whether K ends half way through a chunk."""
     return [f"-DMODE={mode}", f"-DNT={n_tiles}", f"-DPMAX={bits_max}", f"-DG={group_size}", f"-DDIRECT={int(direct)}",
-            f"-DMINB={min_blocks}", f"-DL2PF={l2_prefetch}"]
+            f"-DMINB={min_blocks}", f"-DL2PF={l2_prefetch}", f"-DKH={int(k % CHUNK != 0)}"]
 
 
 def prep_defines(mode: int, x_dtype: torch.dtype) -> list[str]:
@@ -147,7 +152,7 @@ def _launch(mode: int, xp: torch.Tensor, xscale: torch.Tensor, out: torch.Tensor
             grid_m: int, *, topk_weights=None, sorted_ids=None, expert_ids=None, post_pad=None, num_pairs: int,
             topk: int, row_index: int = 0, apply_w_in: bool = False, xp_per_pair: bool = True) -> None:
     kernel = _compiled("ap_mma_gemv", tuple(kernel_defines(mode, cfg.n_tiles, w.bits_max, w.group_size, cfg.direct,
-                                                         cfg.min_blocks, cfg.l2_prefetch)),
+                                                         cfg.min_blocks, cfg.l2_prefetch, w.K)),
                        out.device.index or 0)
     dummy = xscale
     grid = (grid_m, -(-w.N // ROWS_PER_BLOCK), -(-w.K // cfg.k_per_split))

@@ -46,6 +46,10 @@
 #ifndef MINB
 #define MINB 1  // blocks per SM the register allocation must allow (__launch_bounds__)
 #endif
+#ifndef KH
+#define KH 0  // K is a multiple of 64, not of 128: plane rows (K / 8 bytes) are 8-byte aligned, so the planes load in
+              // 8-byte halves, and the last chunk of K holds 64 inputs (its second half is never read)
+#endif
 #ifndef DIRECT
 #define DIRECT 0  // MODE 0/1, NT 1: block b is pair b, its expert is topk_ids[b] (no sorted layout)
 #endif
@@ -153,14 +157,28 @@ struct ChunkRegs {
 // ldg_plane: the plane loads, with the L2 prefetch size L2PF
 #include "plane_load.cuh"
 
+#if KH
+// the plane bytes of inputs k .. k + 127 of one row in two 8-byte halves; a half at or past k_end reads as 0
+__device__ __forceinline__ uint4 ldg_plane_halves(const unsigned char* p, int k, int k_end) {
+    const uint2 lo = ldg_plane8(p);
+    const uint2 hi = k + CHUNK / 2 < k_end ? ldg_plane8(p + 8) : make_uint2(0u, 0u);
+    return make_uint4(lo.x, lo.y, hi.x, hi.y);
+}
+#endif
+
 template <int Q>
 __device__ __forceinline__ void load_chunk(ChunkRegs<Q>& r, const unsigned char* const* planes,
                                            const unsigned short* table, int N, int groups, long long row_bytes,
-                                           int ra, int rb, int k) {
+                                           int ra, int rb, int k, int k_end) {
 #pragma unroll
     for (int p = 0; p < Q; ++p) {
+#if KH
+        r.pa[p] = ldg_plane_halves(planes[p] + ra * row_bytes + k / 8, k, k_end);
+        r.pb[p] = ldg_plane_halves(planes[p] + rb * row_bytes + k / 8, k, k_end);
+#else
         r.pa[p] = ldg_plane(planes[p] + ra * row_bytes + k / 8);
         r.pb[p] = ldg_plane(planes[p] + rb * row_bytes + k / 8);
+#endif
     }
     if (G >= CHUNK) {
         const int grp = k / G;
@@ -231,32 +249,33 @@ __device__ __forceinline__ void run(const unsigned char* const* planes, const un
                                     int t, float (*acc)[4]) {
     const long long row_bytes = K / 8;
     const int groups = K / G;
-    const int chunks = (k_end - k_begin) / CHUNK;
+    const int chunks = (k_end - k_begin + CHUNK - 1) / CHUNK;  // KH: the last one holds 64 inputs
     // q <= 4: registers double-buffer the chunks, the lane's next chunk is in flight while this one is
     // multiplied; wider codes hold twice the plane words and load each chunk when they reach it (registers)
     constexpr bool PREFETCH = Q <= 4;
     ChunkRegs<Q> cur;
-    if (PREFETCH && t < chunks) load_chunk<Q>(cur, planes, table, N, groups, row_bytes, ra, rb, k_begin + t * CHUNK);
+    if (PREFETCH && t < chunks) load_chunk<Q>(cur, planes, table, N, groups, row_bytes, ra, rb, k_begin + t * CHUNK, k_end);
     for (int c0 = 0; c0 < chunks; c0 += 4) {
         const int c = c0 + t;
         const bool have = c < chunks;
         const int k = k_begin + c * CHUNK;
         if (!have) zero_chunk<Q>(cur);
-        else if (!PREFETCH) load_chunk<Q>(cur, planes, table, N, groups, row_bytes, ra, rb, k);
+        else if (!PREFETCH) load_chunk<Q>(cur, planes, table, N, groups, row_bytes, ra, rb, k, k_end);
         ChunkRegs<Q> nxt;
-        if (PREFETCH && c + 4 < chunks) load_chunk<Q>(nxt, planes, table, N, groups, row_bytes, ra, rb, k + 4 * CHUNK);
+        if (PREFETCH && c + 4 < chunks) load_chunk<Q>(nxt, planes, table, N, groups, row_bytes, ra, rb, k + 4 * CHUNK, k_end);
         const RowScales ca = row_scales(cur.sa, cur.oa, Q), cb = row_scales(cur.sb, cur.ob, Q);
 #pragma unroll
         for (int wi = 0; wi < 4; ++wi) {
             const int kw = k + 32 * wi;
+            const bool have_w = have && (!KH || kw < k_end);  // KH: the last chunk's words 2, 3 lie past K
             RowScales sa = ca, sb = cb;
-            if (G < CHUNK && have) {  // one (scale, offset) per word
+            if (G < CHUNK && have_w) {  // one (scale, offset) per word
                 sa = row_scales(__ldg(table + (long long)ra * groups + kw / G),
                                 __ldg(table + ((long long)N + ra) * groups + kw / G), Q);
                 sb = row_scales(__ldg(table + (long long)rb * groups + kw / G),
                                 __ldg(table + ((long long)N + rb) * groups + kw / G), Q);
             }
-            mma_word<Q>(cur, wi, sa, sb, xp, xrow, K, kw, have, acc);
+            mma_word<Q>(cur, wi, sa, sb, xp, xrow, K, kw, have_w, acc);
         }
         if (PREFETCH) cur = nxt;
     }

@@ -22,3 +22,20 @@ __device__ __forceinline__ uint4 ldg_plane(const void* p) {
     return v;
 #endif
 }
+
+// Eight bytes of plane words (rows of K / 8 bytes with K a multiple of 64 but not of 128 are only 8-byte aligned),
+// with the same L2 prefetch-size hint.
+__device__ __forceinline__ uint2 ldg_plane8(const void* p) {
+#if L2PF == 0
+    return __ldg((const uint2*)p);
+#else
+    uint2 v;
+#if L2PF == 128
+    asm volatile("ld.global.nc.L2::128B.v2.u32 {%0,%1}, [%2];"
+#else
+    asm volatile("ld.global.nc.L2::256B.v2.u32 {%0,%1}, [%2];"
+#endif
+                 : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+#endif
+}

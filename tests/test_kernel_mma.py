@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from pagedweight.kernels import ap_fused_moe, ap_linear
+from pagedweight.kernels.api import moe_kernel_rules
 from pagedweight.kernels.config import prefer_lut, prefer_mma
 from pagedweight.kernels.cuda_mma import (
     CHUNK,
@@ -50,9 +51,22 @@ def test_every_variant_compiles_for_sm90(mode):
         for direct in ([False, True] if n_tiles == 1 and mode != 2 else [False]):
             for bits_max, group in ((8, 128), (4, 32)):
                 jobs.append(functools.partial(compile_to_cubin, kernel_defines(mode, n_tiles, bits_max, group, direct), "90"))
+    # K ending half way through a chunk (8-byte plane loads, the last chunk's second half skipped)
+    jobs.append(functools.partial(compile_to_cubin, kernel_defines(mode, 1, 8, 64, mode != 2, k=704), "90"))
+    jobs.append(functools.partial(compile_to_cubin, kernel_defines(mode, 2, 4, 32, k=192), "90"))
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         jobs.append(functools.partial(compile_to_cubin, prep_defines(mode, dtype), "90", name="ap_mma_prep"))
     assert_cubins(compile_in_parallel(jobs))
+
+
+def test_half_chunk_k_builds_the_eight_byte_loads():
+    """K = 704 (Qwen1.5-MoE's intermediate over two ranks): the plane rows are 88 bytes, so the kernel must not
+    issue 16-byte plane loads; a K that is a multiple of 128 keeps them."""
+    half = sass_of(compile_to_cubin(kernel_defines(1, 1, 4, 64, k=704), "90"))
+    whole = sass_of(compile_to_cubin(kernel_defines(1, 1, 4, 64, k=1408), "90"))
+    assert "LDG.E.LTC128B.64" in half and "LDG.E.LTC128B.128" not in half
+    assert "LDG.E.LTC128B.128" in whole
+    assert "-DKH=1" in kernel_defines(1, 1, 4, 64, k=704) and "-DKH=0" in kernel_defines(1, 1, 4, 64, k=1408)
 
 
 def test_direct_layout_is_refused_where_it_does_not_apply():
@@ -131,6 +145,11 @@ def test_configs_and_dispatch_rules():
     assert prefer_mma(4, 2, 8) and prefer_mma(16, 2, 8) and prefer_mma(16, 4, 60) and prefer_mma(64, 4, 60)
     assert not prefer_mma(64, 2, 8) and not prefer_mma(256, 4, 60) and not prefer_mma(2048, 2, 8)
     assert prefer_lut(1, 2, 8) and prefer_lut(4, 4, 60)
+    # where the fold kernel's rule wins but fold cannot run (groups under 128, K half a chunk), the MMA kernel is next
+    rules = dict(moe_kernel_rules(1, 4, 60, 704))
+    assert rules["fold"] and rules["mma"]
+    assert dict(moe_kernel_rules(4, 4, 60, 704))["mma"] and not prefer_mma(4, 4, 60)
+    assert not dict(moe_kernel_rules(2048, 4, 60, 704))["mma"]
 
 
 def test_refusals_name_the_reason():
@@ -139,6 +158,8 @@ def test_refusals_name_the_reason():
     ub = random_ap_projection(1, 64, 256, [4], table_kind="ubcq", bits_min=4).weights
     assert "ubcq" in mma_unsupported(bcq) and "kmeans" in mma_unsupported(km)
     assert "CUDA" in mma_unsupported(ub)
+    odd = random_ap_projection(1, 64, 224, [4], table_kind="ubcq", group_size=32, bits_min=4).weights
+    assert "K=224 is not a multiple of 64" in mma_unsupported(odd)
     x = torch.randn(16, 256)
     with pytest.raises(ValueError, match="not on a CUDA device"):
         ap_linear(x, ub, kernel="mma")
@@ -149,7 +170,8 @@ def test_refusals_name_the_reason():
 
 
 @needs_cuda
-@pytest.mark.parametrize("n,k,group", [(256, 128, 128), (300, 640, 32), (1000, 1408, 128), (2048, 2048, 256)])
+@pytest.mark.parametrize("n,k,group", [(256, 128, 128), (300, 640, 32), (1000, 1408, 128), (2048, 2048, 256),
+                                       (300, 704, 64), (130, 192, 32)])
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_linear_matches_reference(n, k, group, bits):
     proj = random_ap_projection(1, n, k, [bits], table_kind="ubcq", group_size=group, bits_min=1, seed=bits,
@@ -213,6 +235,24 @@ def test_moe_group_sizes(group):
     x = torch.randn(12, 512, device="cuda")
     ref = ap_fused_moe_reference(x, tw, ids, p13.weights, p2.weights)
     assert rel_err(ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel="mma"), ref) < 5e-3
+
+
+@needs_cuda
+@pytest.mark.parametrize("m,pattern", [(1, "random"), (4, "random"), (16, "random"), (9, "one_expert")])
+def test_moe_tp2_shard_of_qwen15moe(m, pattern):
+    """Qwen1.5-MoE's expert shard at --tp 2: intermediate 704 per rank (5.5 chunks, 88-byte plane rows), groups
+    of 64, mixed bits; the default dispatch (fold cannot take the groups: the MMA kernel), K slices that end in
+    the half chunk, and one slice holding it all."""
+    p13, p2 = _layer(60, 512, 704, *mixed_bits(60), seed=m, group=64)
+    tw, ids = routing(m, 60, 4, pattern, seed=m)
+    check_moe_dtypes(p13, p2, tw, ids, m, 512, "mma")
+    x = torch.randn(m, 512, device="cuda")
+    ref = ap_fused_moe_reference(x, tw, ids, p13.weights, p2.weights)
+    assert rel_err(ap_fused_moe(x, tw, ids, p13.weights, p2.weights), ref) < 5e-3
+    direct = m == 1
+    for cfgs in ((MMAConfig(1, 512, direct=direct), MMAConfig(1, 512, direct=direct)),
+                 (MMAConfig(1, 512, direct=direct), MMAConfig(1, 1024, direct=direct))):
+        assert rel_err(ap_fused_moe_mma(x, tw, ids, p13.weights, p2.weights, configs=cfgs), ref) < 5e-3, cfgs
 
 
 @needs_cuda
