@@ -99,6 +99,11 @@ def candidates(c13, c2, w2, names=None):
                 "w8_2": (c13, replace(c2, warps=8, min_blocks=2, row_tiles=1)),
                 "w16_2": (c13, replace(c2, warps=16, min_blocks=1, row_tiles=1)),
             })
+        # the stage body's right shifts on the FMA pipe (IMAD.HI): the code pairs', then also the transposition's
+        for lvl in (1, 2):
+            table[f"shr{lvl}"] = both(c13, c2, fma_shifts=lvl)
+            table[f"shr{lvl}_13"] = (replace(c13, fma_shifts=lvl), c2)
+            table[f"shr{lvl}_2"] = (c13, replace(c2, fma_shifts=lvl))
         # where each stage's group sums come from: the activation ring (shared_act) or L2 a stage ahead (direct)
         if c13.shared_act:
             table["sumr"] = both(c13, c2, sums_in_ring=True)
