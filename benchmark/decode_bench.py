@@ -32,7 +32,7 @@ from pagedweight.kernels.reference import ap_fused_moe_reference
 from pagedweight.kernels.testing import random_ap_projection
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_bench import GROUP, MODELS, ap_bytes, case_bits, graph_time, make_routing, measure_copy_tbps  # noqa: E402
+from kernel_bench import MODELS, ap_bytes, case_bits, graph_time, make_routing, measure_copy_tbps, shard_group  # noqa: E402
 
 KERNELS = ("fold", "mma", "lut")
 
@@ -142,10 +142,7 @@ def main() -> None:
     for mk in [m for m in args.models.split(",") if m]:
         model = MODELS[mk]
         E, topk, H, I = model["E"], model["topk"], model["H"], model["I"]
-        # the largest power-of-two group up to 128 that divides both K (Qwen1.5-MoE's TP-2 shard: I = 704 -> 64)
-        group = GROUP
-        while H % group or I % group:
-            group //= 2
+        group = shard_group(H, I)
         p13 = random_ap_projection(E, 2 * I, H, [8] * E, table_kind="ubcq", group_size=group, bits_min=2, seed=1, device=dev)
         p2 = random_ap_projection(E, H, I, [8] * E, table_kind="ubcq", group_size=group, bits_min=2, seed=2, device=dev)
         for case in [c for c in args.cases.split(",") if c]:

@@ -53,6 +53,15 @@ GROUP = 128
 MIX_PATTERN = [2, 3, 4, 5, 6, 4, 3, 5]  # mean 4; used cyclically over experts (8 and 60 experts: mean 4 exactly)
 
 
+def shard_group(hidden: int, intermediate: int) -> int:
+    """The largest power-of-two group up to GROUP that divides both K of a layer (Qwen1.5-MoE's TP-2 shard:
+    I = 704 -> 64)."""
+    group = GROUP
+    while hidden % group or intermediate % group:
+        group //= 2
+    return group
+
+
 def case_bits(case: str, num_experts: int, proj: str) -> list[int]:
     if case.startswith("u"):
         return [int(case[1:])] * num_experts

@@ -22,7 +22,7 @@ from pagedweight.kernels.cuda_mma import N_TILES, STEP, ap_fused_moe_mma, defaul
 from pagedweight.kernels.cuda_lut import ap_fused_moe_lut, default_moe_lut_configs
 from pagedweight.kernels.testing import random_ap_projection
 
-from kernel_bench import MODELS, graph_time, make_routing  # benchmark/ is on sys.path as a script
+from kernel_bench import MODELS, graph_time, make_routing, shard_group  # benchmark/ is on sys.path as a script
 
 
 def candidates(c13, c2):
@@ -57,8 +57,11 @@ def main() -> None:
         mk, M = args.models.split(",")[0], int(args.ms.split(",")[0])
         md = MODELS[mk]
         E, topk, H, I = md["E"], md["topk"], md["H"], md["I"]
-        p13 = random_ap_projection(E, 2 * I, H, [args.bits] * E, table_kind="ubcq", bits_min=2, seed=1, device=dev)
-        p2 = random_ap_projection(E, H, I, [args.bits] * E, table_kind="ubcq", bits_min=2, seed=2, device=dev)
+        group = shard_group(H, I)
+        p13 = random_ap_projection(E, 2 * I, H, [args.bits] * E, table_kind="ubcq", group_size=group, bits_min=2, seed=1,
+                                   device=dev)
+        p2 = random_ap_projection(E, H, I, [args.bits] * E, table_kind="ubcq", group_size=group, bits_min=2, seed=2,
+                                  device=dev)
         x = torch.randn((M, H), device=dev, dtype=torch.bfloat16)
         tw, ids = make_routing(M, E, topk, md["renormalize"], M, dev)
         for _ in range(3):
@@ -70,8 +73,11 @@ def main() -> None:
     for mk in args.models.split(","):
         md = MODELS[mk]
         E, topk, H, I = md["E"], md["topk"], md["H"], md["I"]
-        p13 = random_ap_projection(E, 2 * I, H, [args.bits] * E, table_kind="ubcq", bits_min=2, seed=1, device=dev)
-        p2 = random_ap_projection(E, H, I, [args.bits] * E, table_kind="ubcq", bits_min=2, seed=2, device=dev)
+        group = shard_group(H, I)
+        p13 = random_ap_projection(E, 2 * I, H, [args.bits] * E, table_kind="ubcq", group_size=group, bits_min=2, seed=1,
+                                   device=dev)
+        p2 = random_ap_projection(E, H, I, [args.bits] * E, table_kind="ubcq", group_size=group, bits_min=2, seed=2,
+                                  device=dev)
         w13, w2 = p13.weights, p2.weights
         for M in (int(v) for v in args.ms.split(",")):
             x = torch.randn((M, H), device=dev, dtype=torch.bfloat16)
