@@ -3,12 +3,43 @@
 
 SGLang's one-batch benchmark builds ServerArgs and a ModelRunner in-process without calling load_plugins();
 this wrapper calls it first and then hands over unchanged (same flags, same result file).
+
+`--dummy-unit-norms` (this wrapper's own flag, taken off before SGLang parses the rest): with `--load-format dummy`
+and without --enable-paged-weight, set every RMSNorm weight to 1 after loading, as PagedWeight does for its dummy
+models (pagedweight/serving/dummy_weights.py). A stock run then routes like the PagedWeight run it is compared
+with: SGLang's U(-1e-3, 1e-3) norms leave router logits of ~1e-5, and where a model adds a score-correction bias
+of the same dummy size (GLM-4.5, DeepSeek-V3) the bias alone picks the experts, the same few for every token, so
+stock would read a fraction of the expert bytes the PagedWeight run reads.
 """
+
+import sys
+
+
+def install_unit_norms() -> None:
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    from pagedweight.serving.dummy_weights import unit_norm_weights
+
+    load_model = ModelRunner.load_model
+
+    def load_model_with_unit_norms(self, *args, **kwargs):
+        result = load_model(self, *args, **kwargs)
+        if str(self.server_args.load_format) != "dummy":
+            raise SystemExit("--dummy-unit-norms needs --load-format dummy")
+        print(f"bench_one_batch: --dummy-unit-norms: {unit_norm_weights(self.model)} RMSNorm weights set to 1",
+              flush=True)
+        return result
+
+    ModelRunner.load_model = load_model_with_unit_norms
+
 
 if __name__ == "__main__":
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
+    if "--dummy-unit-norms" in sys.argv:
+        sys.argv.remove("--dummy-unit-norms")
+        install_unit_norms()
 
     from sglang.benchmark.one_batch import cli_main
 

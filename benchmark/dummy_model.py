@@ -34,6 +34,29 @@ CONFIGS = {
         "tie_word_embeddings": False, "sliding_window": None, "router_aux_loss_coef": 0.02,
         "attention_dropout": 0.0, "initializer_range": 0.02,
     },
+    "deepseek_v2_lite": {  # DeepSeek-V2-Lite: MLA (kv_lora_rank 512), 64 routed experts top-6 + 2 shared, first layer dense
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 2048,
+        "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64, "num_experts_per_tok": 6,
+        "routed_scaling_factor": 1.0, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+        "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": False, "scoring_func": "softmax",
+        "aux_loss_alpha": 0.001, "seq_aux": True, "hidden_act": "silu", "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-06, "rope_theta": 10000, "attention_bias": False, "attention_dropout": 0.0,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+        "vocab_size": 102400, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "initializer_range": 0.02,
+    },
+    "glm45_air": {  # GLM-4.5-Air: 128 routed experts top-8 + 1 shared, 96 query / 8 KV heads, first layer dense
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 4096,
+        "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 46, "num_attention_heads": 96,
+        "num_key_value_heads": 8, "head_dim": 128, "n_routed_experts": 128, "n_shared_experts": 1,
+        "num_experts_per_tok": 8, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0, "partial_rotary_factor": 0.5, "rope_theta": 1000000,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "vocab_size": 151552, "attention_bias": True,
+        "use_qk_norm": False, "num_nextn_predict_layers": 0, "hidden_act": "silu", "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "attention_dropout": 0.0, "initializer_range": 0.02,
+    },
 }
 
 

@@ -32,6 +32,11 @@
 #                                           # PagedWeight step and its TP agreement per rank, steady and offload/reload,
 #                                           # beside the shard's MoE decode step at batch 1 and 16 (TPO_MODELS, TPO_ITERS;
 #                                           # needs SGLang from the devicekit; nothing of it has run on a GPU yet)
+#   bash benchmark/gpu_session.sh models    # issue #23's families at real shapes with dummy weights (benchmark/dummy_model.py;
+#                                           # MODELS_RUN="deepseek_v2_lite:27 glm45_air:12", name:layers): bench_one_batch
+#                                           # stock bf16 (RMSNorm weights at 1 as PagedWeight sets them, so both route
+#                                           # alike) vs PagedWeight 4-bit experts (OBB_BATCHES, OBB_INPUT, OBB_OUTPUT,
+#                                           # OBB_STOCK=0 / OBB_AP=0 skip a side)
 #   bash benchmark/gpu_session.sh longbench # MoEfied SmolLM2 rebuilt from /tmp/sc (carried pieces), LongBench-format
 #                                           # work at one budget: stock bf16 vs uniform AP vs PagedWeight
 # Writes everything under $OUT (default out/gpu).
@@ -211,6 +216,26 @@ if [ "$stage" = serve ]; then
     PW_PROBE_DEVICE=cuda timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_e2e_scope_all.py \
       -k dequantized 2>&1 | grep -v "^\[20" | tail -6 | tee "$OUT/scope_check.txt"
   fi
+fi
+if [ "$stage" = models ]; then
+  for spec in ${MODELS_RUN:-deepseek_v2_lite:27 glm45_air:12}; do
+    name=${spec%%:*}; layers=${spec##*:}; model=/tmp/$name-dummy
+    python3 benchmark/dummy_model.py --model "$name" --num-layers "$layers" --out $model >/dev/null
+    common=(--model-path $model --load-format dummy --attention-backend triton --sampling-backend pytorch)
+    read -r -a batches <<<"${OBB_BATCHES:-1 16}"
+    bench=(--batch-size "${batches[@]}" --input-len "${OBB_INPUT:-1024}" --output-len "${OBB_OUTPUT:-32}"
+           --cuda-graph-max-bs 64 --mem-fraction-static 0.85)
+    # stock SGLang with the RMSNorm weights at 1, as PagedWeight sets them on a dummy model: the same routing spread
+    if [ "${OBB_STOCK:-1}" != 0 ]; then
+      timeout "${OBB_TIMEOUT:-170}" python3 benchmark/bench_one_batch.py --dummy-unit-norms "${common[@]}" "${bench[@]}" \
+        --result-filename "$OUT/obb_${name}_bf16.jsonl" >"$OUT/obb_${name}_bf16.log" 2>&1
+      echo "== $name bf16 rc=$?"; grep -E "unit-norms|Decode\.|Prefill|Error|error" "$OUT/obb_${name}_bf16.log" | tail -6
+    fi
+    [ "${OBB_AP:-1}" != 0 ] || continue
+    timeout "${OBB_TIMEOUT:-170}" python3 benchmark/bench_one_batch.py "${common[@]}" "${bench[@]}" --enable-paged-weight \
+      --paged-weight-bits 4 --result-filename "$OUT/obb_${name}_ap4.jsonl" >"$OUT/obb_${name}_ap4.log" 2>&1
+    echo "== $name ap4 rc=$?"; grep -E "PagedWeight:|Decode|Prefill|Error|error" "$OUT/obb_${name}_ap4.log" | tail -8
+  done
 fi
 if [ "$stage" = pressure ]; then
   model=/tmp/qwen15moe-dummy

@@ -142,3 +142,55 @@ def test_summarize_us_orders_the_times():
     assert summarize_us([4.0, 2.0])["median"] == 3.0
     with pytest.raises(ValueError, match="no times"):
         summarize_us([])
+
+
+def _load_script(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmark" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_script_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name,model_type,experts_key", [
+    ("deepseek_v2_lite", "deepseek_v2", "n_routed_experts"), ("glm45_air", "glm4_moe", "n_routed_experts"),
+    ("qwen15moe", "qwen2_moe", "num_experts"), ("mixtral", "mixtral", "num_local_experts")])
+def test_dummy_models_load_as_their_transformers_config(name, model_type, experts_key, tmp_path):
+    """Each config-only model dir is what transformers (and so SGLang's dummy loader) reads: the family, the
+    expert count, and the layer override for runs that cut the model down."""
+    import transformers
+
+    out = _load_script("dummy_model").make_dummy_model(name, tmp_path / name, num_layers=3)
+    cfg = transformers.AutoConfig.from_pretrained(out)
+    assert cfg.model_type == model_type and cfg.num_hidden_layers == 3
+    assert getattr(cfg, experts_key) == _load_script("dummy_model").CONFIGS[name][experts_key]
+    assert (out / "tokenizer.json").exists()
+
+
+def test_bench_one_batch_unit_norms_for_a_stock_dummy_run(monkeypatch):
+    """--dummy-unit-norms: after SGLang loads a dummy model, every RMSNorm weight is 1 (as PagedWeight sets them), and
+    the flag is refused for a model loaded from a checkpoint."""
+    import types
+
+    import torch
+    from sglang.srt.layers.layernorm import RMSNorm
+    from sglang.srt.model_executor import model_runner
+
+    def fake_load(self):
+        self.model = torch.nn.Sequential(RMSNorm(8), torch.nn.Linear(8, 8), RMSNorm(8))
+        for m in self.model:
+            torch.nn.init.uniform_(m.weight, -1e-3, 1e-3)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "load_model", fake_load)
+    _load_script("bench_one_batch").install_unit_norms()
+    runner = types.SimpleNamespace(server_args=types.SimpleNamespace(load_format="dummy"))
+    model_runner.ModelRunner.load_model(runner)
+    norms, linear = [runner.model[0], runner.model[2]], runner.model[1]
+    assert all(torch.equal(n.weight, torch.ones(8)) for n in norms)
+    assert linear.weight.abs().max() <= 1e-3  # only the norms change
+    runner.server_args.load_format = "auto"
+    with pytest.raises(SystemExit, match="--load-format dummy"):
+        model_runner.ModelRunner.load_model(runner)
