@@ -560,6 +560,28 @@ def test_gpu_pager_with_vmm_arena_copy_stream_and_events() -> None:
         arena.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_runtime_fences_follow_the_stream_current_at_the_boundary() -> None:
+    """The runtime built at model load (default stream current) records each pager fence on the stream current when
+    the boundary runs, which the serving loop makes the scheduler's forward stream: a forward still running there
+    keeps its planes from being freed. (A fence on the load-time stream completes while that forward still reads.)"""
+    from pagedweight.config import PagedWeightConfig
+    from pagedweight.runtime.paged_runtime import PagedRuntime
+    from tests.support.random_stores import random_layer_stores
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    runtime = PagedRuntime.build(PagedWeightConfig(enable=True, bits=8), random_layer_stores(2, 4, device=dev), dev)
+    torch.cuda.synchronize()
+    forward = torch.cuda.Stream(dev)
+    with torch.cuda.stream(forward):
+        torch.cuda._sleep(1 << 30)  # a forward that is still running (~0.5 s of spinning)
+        fence = runtime.pager.fences.record()
+    assert not fence.done()
+    forward.synchronize()
+    assert fence.done()
+
+
 def test_resident_views_dequantize_like_the_host_copy() -> None:
     from pagedweight.format.layout import dequantize
 

@@ -94,7 +94,10 @@ class PagedRuntime:
         classes = arena_size_classes(table)
         if device.type == "cuda":
             arena: PlaneArena = CudaVmmPlaneArena(classes, device_id=device.index or 0, poison=cfg.debug_poison)
-            fences = fences if fences is not None else CudaEventFenceFactory(torch.cuda.current_stream(device))
+            # on the stream current when a fence is recorded: Pager.on_boundary runs with the scheduler's forward
+            # stream current, so a fence orders after every forward enqueued before its page-table flush (a stream
+            # fixed here, at model load, is not the one SGLang's overlap scheduler runs its forwards on)
+            fences = fences if fences is not None else CudaEventFenceFactory()
         else:
             arena = HostPlaneArena(classes, poison=cfg.debug_poison)
             fences = fences if fences is not None else ImmediateFenceFactory()
