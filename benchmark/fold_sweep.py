@@ -104,6 +104,10 @@ def candidates(c13, c2, w2, names=None):
             table[f"shr{lvl}"] = both(c13, c2, fma_shifts=lvl)
             table[f"shr{lvl}_13"] = (replace(c13, fma_shifts=lvl), c2)
             table[f"shr{lvl}_2"] = (c13, replace(c2, fma_shifts=lvl))
+        # w2 at more blocks per SM (short K, e.g. Qwen3's I = 384 / 768: each warp's K range is one or two ring stages,
+        # so more resident warps are what can hide its copies): no activation ring and 4 KB plane rings (16 KB a block)
+        table["w2_nosa_kb4_mb6"] = (c13, replace(c2, shared_act=False, sums_in_ring=False, ring_kb=4, min_blocks=6))
+        table["w2_nosa_kb4_mb8"] = (c13, replace(c2, shared_act=False, sums_in_ring=False, ring_kb=4, min_blocks=8))
         # where each stage's group sums come from: the activation ring (shared_act) or L2 a stage ahead (direct)
         if c13.shared_act:
             table["sumr"] = both(c13, c2, sums_in_ring=True)

@@ -36,7 +36,8 @@
 #                                           # MODELS_RUN="deepseek_v2_lite:27 glm45_air:12", name:layers): bench_one_batch
 #                                           # stock bf16 (RMSNorm weights at 1 as PagedWeight sets them, so both route
 #                                           # alike) vs PagedWeight 4-bit experts (OBB_BATCHES, OBB_INPUT, OBB_OUTPUT,
-#                                           # OBB_STOCK=0 / OBB_AP=0 skip a side)
+#                                           # OBB_STOCK=0 / OBB_AP=0 skip a side); MODELS_PRESSURE="glm45_air:12" adds
+#                                           # a KV-pressure burst per model, PagedWeight alone, server logs kept
 #   bash benchmark/gpu_session.sh longbench # MoEfied SmolLM2 rebuilt from /tmp/sc (carried pieces), LongBench-format
 #                                           # work at one budget: stock bf16 vs uniform AP vs PagedWeight
 # Writes everything under $OUT (default out/gpu).
@@ -235,6 +236,21 @@ if [ "$stage" = models ]; then
     timeout "${OBB_TIMEOUT:-170}" python3 benchmark/bench_one_batch.py "${common[@]}" "${bench[@]}" --enable-paged-weight \
       --paged-weight-bits 4 --result-filename "$OUT/obb_${name}_ap4.jsonl" >"$OUT/obb_${name}_ap4.log" 2>&1
     echo "== $name ap4 rc=$?"; grep -E "PagedWeight:|Decode|Prefill|Error|error" "$OUT/obb_${name}_ap4.log" | tail -8
+  done
+  # MODELS_PRESSURE="glm45_air:12": a KV-pressure burst per model, PagedWeight alone (pressure_bench.py), server logs
+  # kept (a crash names its kernel there)
+  for spec in ${MODELS_PRESSURE:-}; do
+    name=${spec%%:*}; layers=${spec##*:}; model=/tmp/$name-dummy
+    python3 benchmark/dummy_model.py --model "$name" --num-layers "$layers" --out $model >/dev/null
+    timeout "${MODELS_PRESSURE_TIMEOUT:-300}" python3 benchmark/pressure_bench.py --model-path $model --load-format dummy \
+      --mem-fraction-static "${PRESSURE_MEM_FRACTION:-0.25}" --input-len "${PRESSURE_INPUT_LEN:-1024}" \
+      --output-len "${PRESSURE_OUTPUT_LEN:-256}" --paged-weight-min-bits 3 --systems pagedweight --start-timeout-s 200 \
+      --extra-server-args "--attention-backend triton --sampling-backend pytorch --cuda-graph-max-bs 128" \
+      --out "$OUT/pressure_$name.json" >"$OUT/pressure_$name.log" 2>&1
+    echo "== $name pressure rc=$?"; grep -v "^\[20" "$OUT/pressure_$name.log" | tail -12
+    pkill -f "sglang[.]launch_server"; sleep 3
+    grep -h -B2 -A12 -E "Traceback|CUDA error|illegal" "$OUT"/logs/*.log 2>/dev/null | tail -60
+    tar czf "$OUT/pressure_${name}_logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
   done
 fi
 if [ "$stage" = pressure ]; then
