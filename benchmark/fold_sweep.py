@@ -99,11 +99,6 @@ def candidates(c13, c2, w2, names=None):
                 "w8_2": (c13, replace(c2, warps=8, min_blocks=2, row_tiles=1)),
                 "w16_2": (c13, replace(c2, warps=16, min_blocks=1, row_tiles=1)),
             })
-        # the stage body's right shifts on the FMA pipe (IMAD.HI): the code pairs', then also the transposition's
-        for lvl in (1, 2):
-            table[f"shr{lvl}"] = both(c13, c2, fma_shifts=lvl)
-            table[f"shr{lvl}_13"] = (replace(c13, fma_shifts=lvl), c2)
-            table[f"shr{lvl}_2"] = (c13, replace(c2, fma_shifts=lvl))
         # w2 at more blocks per SM (short K, e.g. Qwen3's I = 384 / 768: each warp's K range is one or two ring stages,
         # so more resident warps are what can hide its copies): no activation ring and 4 KB plane rings (16 KB a block)
         table["w2_nosa_kb4_mb6"] = (c13, replace(c2, shared_act=False, sums_in_ring=False, ring_kb=4, min_blocks=6))

@@ -20,23 +20,6 @@
 typedef unsigned int u32;
 typedef unsigned short u16;
 
-#ifndef FMA_SHR
-#define FMA_SHR 0
-#endif
-// v >> S, as the high word of v * 2^(32 - S) (IMAD.HI, on the FMA pipe) where FMA_SHR >= LEVEL, so that the code
-// pairs (level 1) and the bit transposition (level 2), which otherwise issue every shift on the integer ALU pipe beside
-// their lop3, split their work over two pipes. The asm keeps ptxas from turning the multiply back into a shift.
-template <int S, int LEVEL>
-__device__ __forceinline__ u32 shr(u32 v) {
-    static_assert(0 < S && S < 32, "shift in 1..31");
-    if (FMA_SHR >= LEVEL) {
-        u32 d;
-        asm("mul.hi.u32 %0, %1, %2;" : "=r"(d) : "r"(v), "n"(1u << (32 - S)));
-        return d;
-    }
-    return v >> S;
-}
-
 __device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {  // (a & b) | c
     u32 d;
     asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
@@ -125,13 +108,13 @@ __device__ __forceinline__ void transpose4(u32* w) {
     for (int r = 0; r < 2; ++r) {  // rows r, r + 2: bits 2-3 of row r <-> bits 0-1 of row r + 2
         const u32 a = w[r], b = w[r + 2];
         w[r] = lop3_sel(a, b << 2, 0x33333333u);
-        w[r + 2] = lop3_sel(b, shr<2, 2>(a), 0xCCCCCCCCu);
+        w[r + 2] = lop3_sel(b, a >> 2, 0xCCCCCCCCu);
     }
 #pragma unroll
     for (int r = 0; r < 4; r += 2) {  // rows r, r + 1: bits 1, 3 of row r <-> bits 0, 2 of row r + 1
         const u32 a = w[r], b = w[r + 1];
         w[r] = lop3_sel(a, b << 1, 0x55555555u);
-        w[r + 1] = lop3_sel(b, shr<1, 2>(a), 0xAAAAAAAAu);
+        w[r + 1] = lop3_sel(b, a >> 1, 0xAAAAAAAAu);
     }
 }
 
@@ -144,9 +127,7 @@ __device__ __forceinline__ void codes_of(const u32* planes, u32* out) {
 }
 
 // the mma operand (BIAS + c_e, BIAS + c_{e+4}) of nibbles e and e + 4 of v
-__device__ __forceinline__ u32 code_pair(u32 v, int e) {
-    return lop3_and_or(e == 0 ? v : e == 1 ? shr<4, 1>(v) : e == 2 ? shr<8, 1>(v) : shr<12, 1>(v), 0x000F000Fu, MAGIC);
-}
+__device__ __forceinline__ u32 code_pair(u32 v, int e) { return lop3_and_or(v >> (4 * e), 0x000F000Fu, MAGIC); }
 
 // Q_SWITCH(q, CALL): CALL(Q) for the runtime bitwidth q, each Q <= PMAX a compiled body (ONLY_Q: one bitwidth
 // only, for the instruction count of one body; tests and benchmarks never set it)

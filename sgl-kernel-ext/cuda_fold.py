@@ -111,9 +111,6 @@ class FoldConfig:
     # from L2 a stage ahead into registers. Off: loaded from L2 at the start of the stage that uses them
     sums_in_ring: bool = False
     sums_ahead: bool = False
-    # right shifts of the stage body issued as IMAD.HI on the FMA pipe instead of SHF on the integer ALU pipe, which the
-    # lop3 of the transposition and the code pairs keep busy: 0 none, 1 the code pairs', 2 also the transposition's
-    fma_shifts: int = 0
 
     def __post_init__(self) -> None:
         if self.stage_chunks not in STAGE_CHUNKS:
@@ -141,8 +138,6 @@ class FoldConfig:
         if self.warps * self.min_blocks > MAX_WARPS_PER_SM:
             raise ValueError(f"min_blocks={self.min_blocks} blocks of {self.warps} warps exceed the {MAX_WARPS_PER_SM} "
                              f"warps an SM holds")
-        if self.fma_shifts not in (0, 1, 2):
-            raise ValueError(f"fma_shifts must be 0, 1 or 2, got {self.fma_shifts}")
         if self.sa_stages not in SA_STAGES:
             raise ValueError(f"sa_stages must be one of {SA_STAGES}, got {self.sa_stages}")
         if self.sums_in_ring and not self.shared_act:
@@ -215,8 +210,7 @@ def gemv_defines(mode: int, cfg: FoldConfig, bits_max: int, group_size: int, com
             f"-DRING={cfg.ring_kb * 1024}", f"-DSC={cfg.stage_chunks}", f"-DSPD={cfg.scale_stages}", f"-DBPF={int(cfg.act_prefetch)}",
             f"-DL2PF={cfg.l2_prefetch}", f"-DRT={cfg.row_tiles}", f"-DPDL={int(cfg.pdl)}",
             f"-DSA={int(cfg.shared_act)}", f"-DSAS={cfg.sa_stages}", f"-DSPLIT={int(cfg.split_chains)}",
-            f"-DNW={cfg.warps}", f"-DSUMR={int(cfg.sums_in_ring)}", f"-DSAH={int(cfg.sums_ahead)}",
-            f"-DFMA_SHR={cfg.fma_shifts}"]
+            f"-DNW={cfg.warps}", f"-DSUMR={int(cfg.sums_in_ring)}", f"-DSAH={int(cfg.sums_ahead)}"]
 
 
 def prep_defines(cfg: FoldConfig, group_size: int, compute: int, x_dtype: torch.dtype) -> list[str]:

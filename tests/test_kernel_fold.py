@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -108,28 +107,6 @@ def test_programmatic_launch_reaches_the_sass():
                                     name="ap_fold_prep"))
     assert "ACQBULK" not in default and "PREEXIT" not in default
     assert "ACQBULK" in pdl and "PREEXIT" in pdl and "ACQBULK" in prep and "PREEXIT" in prep
-
-
-def test_fma_shifts_move_the_stage_bodys_right_shifts_to_the_fma_pipe():
-    """fma_shifts 1 issues the code pairs' right shifts as IMAD.HI (FMA pipe), 2 also the transposition's; 0 keeps
-    them all SHF (integer ALU pipe), and the lop3 count does not change."""
-    def counts(level):
-        sass = sass_of(compile_to_cubin(gemv_defines(0, FoldConfig(2, shared_act=True, fma_shifts=level), 4, 128, 0)
-                                        + ["-DONLY_Q=4"], "90"))
-        lines = [line for line in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4}\*/", line)]  # instructions
-        mma = [i for i, line in enumerate(lines) if "HMMA" in line]
-        # the stage body: from its first mma to its last (integer divisions elsewhere use IMAD.HI too)
-        ops = [line.split("*/", 1)[1].split()[0] for line in lines[mma[0]:mma[-1] + 1]]
-        return {k: sum(o.startswith(k) for o in ops) for k in ("SHF.R", "IMAD.HI", "LOP3", "HMMA")}
-
-    none, pairs, both = counts(0), counts(1), counts(2)
-    assert none["HMMA"] == pairs["HMMA"] == both["HMMA"] > 0
-    assert none["IMAD.HI"] == 0 and 0 < pairs["IMAD.HI"] < both["IMAD.HI"]
-    assert both["SHF.R"] < pairs["SHF.R"] < none["SHF.R"]
-    # each shift moved, not added (the scheduler may keep one or two either way)
-    assert abs((none["SHF.R"] - pairs["SHF.R"]) - pairs["IMAD.HI"]) <= 2 and abs(none["LOP3"] - both["LOP3"]) <= 0.03 * none["LOP3"]
-    with pytest.raises(ValueError, match="fma_shifts"):
-        FoldConfig(fma_shifts=3)
 
 
 def test_shared_activations_size_their_ring_and_are_refused_where_they_do_not_apply():
@@ -481,10 +458,6 @@ def reference_layouts() -> list[tuple[FoldConfig, FoldConfig]]:
     layouts.append((FoldConfig(2, shared_act=True, stage_chunks=2, sa_stages=4, sums_in_ring=True),
                     FoldConfig(2, shared_act=True, stage_chunks=2, sa_stages=4, row_tiles=2, ring_kb=16, min_blocks=3)))
     layouts.append((FoldConfig(1, direct=True, stage_chunks=2, wk=2), FoldConfig(1, direct=True, stage_chunks=2)))
-    # right shifts on the FMA pipe: the code pairs' only, and the transposition's too
-    layouts.append((FoldConfig(2, shared_act=True, sums_in_ring=True, fma_shifts=1),
-                    FoldConfig(2, shared_act=True, fma_shifts=2, row_tiles=2, ring_kb=16, min_blocks=3)))
-    layouts.append((FoldConfig(1, direct=True, wk=2, fma_shifts=2), FoldConfig(1, direct=True, k_per_split=128, fma_shifts=1)))
     return layouts
 
 
