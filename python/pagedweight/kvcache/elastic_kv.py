@@ -16,6 +16,14 @@ Every change is published to everything in SGLang that holds a copy of the capac
 checks (`SchedulerInvariantChecker`, the idle leak check, `check_decode_mem`) keep balancing:
 `available + evictable + protected == max_total_num_tokens` with parked slots in none of the terms.
 
+Streams: the free-list edits (`grow`'s new ids, a shrink's parking) are tensor ops SGLang's scheduler reads on
+its own stream (the schedule stream of 0.5.17's event loops: the alloc of the next batch and its req_to_token
+writes run there). They run on `allocator_stream`, which the serving loop sets to the stream current when the
+scheduler calls it; enqueued on the forward stream instead (where the pager's boundary runs), the scheduler
+would read the new free list before the running forward let it be written (garbage slot ids, an illegal
+memory access in the next forward). The fence that unmaps a parked tail is recorded on `stream`, the forward
+stream: no forward still in flight may read the chunks it releases.
+
 `controller.ElasticKV` is implemented by `shrink`; the pager's `on_bytes_freed` is `grow`. With a budget
 attached (`attach_budget`) grows reserve and commit "kv" bytes and releases give them back, in the
 backing's bytes (physical and chunk-rounded on CUDA, `tokens * bytes_per_token` on CPU).
@@ -27,6 +35,7 @@ the allocator and radix state, which all ranks share because they schedule the s
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
@@ -88,6 +97,7 @@ class ElasticKVCache:
         self.tree_cache: Any = None
         self.budget: Any = None
         self.stream: Any = None  # where shrink fences are recorded (the forward stream on CUDA)
+        self.allocator_stream: Any = None  # where the free-list edits run (the scheduler's stream; None: current)
         self._credit = 0
         self._check_supported()
         self._set_limits(capacity_tokens, max_tokens, min_tokens)
@@ -218,7 +228,8 @@ class ElasticKVCache:
         if self.budget is not None:
             self._credit = min(self._credit, self.budget.free)  # free bytes someone else took are gone
         units = self._units_for_credit(self._credit)
-        added = self._grow_units(units)
+        with self._on_allocator_stream():
+            added = self._grow_units(units)
         return added * self.page_size
 
     def grow_tokens(self, tokens: int) -> int:
@@ -227,7 +238,8 @@ class ElasticKVCache:
             raise ValueError(f"grow by a negative token count ({tokens})")
         self.poll()
         target = min(self._max_units, self._cap_units + tokens // self.page_size)
-        return self._grow_units(target) * self.page_size
+        with self._on_allocator_stream():
+            return self._grow_units(target) * self.page_size
 
     def _units_for_credit(self, credit: int) -> int:
         """The largest capacity (units) whose extra backing fits in `credit` bytes."""
@@ -287,7 +299,8 @@ class ElasticKVCache:
         if nbytes <= 0:
             return released
         target = self._units_for_release(self.backing.mapped_bytes() - nbytes)
-        self._shrink_to_units(target)
+        with self._on_allocator_stream():
+            self._shrink_to_units(target)
         return released + self._release_polled()
 
     def shrink_tokens(self, tokens: int) -> int:
@@ -296,7 +309,8 @@ class ElasticKVCache:
             raise ValueError(f"shrink by a negative token count ({tokens})")
         self._release_polled()
         before = self._cap_units
-        self._shrink_to_units(max(self._min_units, self._cap_units - tokens // self.page_size))
+        with self._on_allocator_stream():
+            self._shrink_to_units(max(self._min_units, self._cap_units - tokens // self.page_size))
         self._release_polled()
         return (before - self._cap_units) * self.page_size
 
@@ -368,6 +382,10 @@ class ElasticKVCache:
         a = self.allocator
         a.free_pages = a.free_pages[a.free_pages <= keep_units]
         a.release_pages = a.release_pages[a.release_pages <= keep_units]
+
+    def _on_allocator_stream(self):
+        """The scheduler's stream for the free-list edits (module docstring: Streams)."""
+        return torch.cuda.stream(self.allocator_stream) if self.allocator_stream is not None else nullcontext()
 
     # -- release of physical memory -------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ boundary: in the normal loop the previous forward has been launched and its resu
 overlap loop forward k is in flight on the forward stream while batch k+1 is being prepared. Device
 page-table writes are enqueued on the forward stream there, so forward k reads the old rows and forward
 k+1 the new ones, and the fence recorded after them tells the pager when forward k (the last reader of
-freed planes) is done.
+freed planes) is done. The elastic KV cache's free-list edits stay on the scheduler's own stream (the one
+current when it calls the step), where SGLang reads its allocator (kvcache/elastic_kv.py: Streams).
 
 The PagedWeightScheduler is built, wired once, by serving/builder.py (`build_serving`).
 """
@@ -92,6 +93,10 @@ class PagedWeightScheduler:
         obs = Observation(iteration=self.iteration, now_s=inputs.now_s, routing_counts=self._routing)
         if inputs.routing is not None:
             self.controller.policy.refresh(self.runtime.table, obs)  # e.g. the quality policy re-ranks its queue
+        kv = self.controller.kv
+        if kv is not None and self.forward_stream is not None:
+            # the scheduler's own stream (its schedule stream): the elastic cache edits the free lists there
+            kv.allocator_stream = torch.cuda.current_stream(self.forward_stream.device)
         ctx = torch.cuda.stream(self.forward_stream) if self.forward_stream is not None else nullcontext()
         with ctx:
             # A request that waits for KV counts as pressure: the blocks it lacks count as used.
