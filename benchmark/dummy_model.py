@@ -60,14 +60,61 @@ CONFIGS = {
 }
 
 
+# Gemma-4-26B-A4B's decoder (the text config of the published multimodal checkpoint): 128 experts top-8 with GELU
+# gates beside a dense GELU MLP in every layer, 5 sliding-window layers (window 1024, head 256, 8 KV heads) per
+# full-attention layer (head 512, 2 KV heads, K = V). The vision tower is the tiny one of tools/tiny_gemma4.py:
+# SGLang builds it from the config, the text benchmarks never run it.
+GEMMA4_26B_A4B_TEXT = {
+    "hidden_size": 2816, "intermediate_size": 2112, "moe_intermediate_size": 704, "num_hidden_layers": 30,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "num_global_key_value_heads": 2, "head_dim": 256,
+    "global_head_dim": 512, "num_experts": 128, "top_k_experts": 8, "enable_moe_block": True, "vocab_size": 262144,
+    "vocab_size_per_layer_input": 262144, "sliding_window": 1024, "final_logit_softcapping": 30.0,
+    "attention_bias": False, "attention_k_eq_v": True, "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0, "use_double_wide_mlp": False,
+    "max_position_embeddings": 262144, "rms_norm_eps": 1e-06, "tie_word_embeddings": True,
+    "rope_parameters": {
+        "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+    },
+}
+GEMMA4_LAYER_PATTERN = ["sliding_attention"] * 5 + ["full_attention"]
+
+
+def gemma4_26b_a4b_config(num_layers: int | None, bos: int, eos: int) -> dict:
+    """The multimodal Gemma4Config (as the checkpoint ships it) around the 26B-A4B decoder, cut to `num_layers`
+    (the layer types keep the published 5:1 pattern from the first layer)."""
+    import transformers
+
+    from pagedweight.tools.tiny_gemma4 import GEMMA4_VISION
+
+    text = dict(GEMMA4_26B_A4B_TEXT)
+    layers = num_layers or text["num_hidden_layers"]
+    text["num_hidden_layers"] = layers
+    text["layer_types"] = [GEMMA4_LAYER_PATTERN[i % len(GEMMA4_LAYER_PATTERN)] for i in range(layers)]
+    text.update(bos_token_id=bos, eos_token_id=eos, pad_token_id=2, dtype="bfloat16")
+    cfg = transformers.Gemma4Config(text_config=text, vision_config=dict(GEMMA4_VISION), audio_config=None,
+                                    tie_word_embeddings=True).to_dict()
+    cfg["architectures"] = ["Gemma4ForConditionalGeneration"]
+    cfg["torch_dtype"] = "bfloat16"
+    cfg["max_position_embeddings"] = text["max_position_embeddings"]  # for the tokenizer's max length below
+    return cfg
+
+
+MODELS = sorted([*CONFIGS, "gemma4_26b_a4b"])
+
+
 def make_dummy_model(name: str, out: Path, num_layers: int | None = None) -> Path:
     from pagedweight.tools.tiny_model import BOS_TOKEN, EOS_TOKEN, SPECIAL_TOKENS, write_tokenizer
 
-    cfg = dict(CONFIGS[name])
-    if num_layers is not None:
-        cfg["num_hidden_layers"] = num_layers
-    cfg["bos_token_id"] = SPECIAL_TOKENS.index(BOS_TOKEN)
-    cfg["eos_token_id"] = SPECIAL_TOKENS.index(EOS_TOKEN)
+    bos, eos = SPECIAL_TOKENS.index(BOS_TOKEN), SPECIAL_TOKENS.index(EOS_TOKEN)
+    if name == "gemma4_26b_a4b":
+        cfg = gemma4_26b_a4b_config(num_layers, bos, eos)
+    else:
+        cfg = dict(CONFIGS[name])
+        if num_layers is not None:
+            cfg["num_hidden_layers"] = num_layers
+    cfg["bos_token_id"] = bos
+    cfg["eos_token_id"] = eos
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     write_tokenizer(out, vocab_size=1000, max_length=cfg["max_position_embeddings"])
@@ -76,7 +123,7 @@ def make_dummy_model(name: str, out: Path, num_layers: int | None = None) -> Pat
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=sorted(CONFIGS), default="qwen15moe")
+    ap.add_argument("--model", choices=MODELS, default="qwen15moe")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--num-layers", type=int, default=None, help="override the layer count (smaller runs)")
     args = ap.parse_args()

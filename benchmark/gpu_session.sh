@@ -33,7 +33,7 @@
 #                                           # beside the shard's MoE decode step at batch 1 and 16 (TPO_MODELS, TPO_ITERS;
 #                                           # needs SGLang from the devicekit; nothing of it has run on a GPU yet)
 #   bash benchmark/gpu_session.sh models    # issue #23's families at real shapes with dummy weights (benchmark/dummy_model.py;
-#                                           # MODELS_RUN="deepseek_v2_lite:27 glm45_air:12", name:layers): bench_one_batch
+#                                           # MODELS_RUN="deepseek_v2_lite:27 glm45_air:12 gemma4_26b_a4b:12", name:layers): bench_one_batch
 #                                           # stock bf16 (RMSNorm weights at 1 as PagedWeight sets them, so both route
 #                                           # alike) vs PagedWeight 4-bit experts (OBB_BATCHES, OBB_INPUT, OBB_OUTPUT,
 #                                           # OBB_STOCK=0 / OBB_AP=0 skip a side); MODELS_PRESSURE="glm45_air:12" adds
@@ -52,7 +52,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 if [ "$stage" = tests ]; then
   # GPU correctness only: runtime (VMM arena, pager, copy stream), kernels, and two TP processes on one GPU.
   timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_tp_sync.py tests/test_runtime_*.py \
-    tests/test_kernel_*.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
+    tests/test_kernel_*.py tests/test_elastic_kv_streams.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
 fi
 
 if [ "$stage" = kernels ]; then

@@ -118,7 +118,9 @@ def ap_fused_moe(
     use_asm: Optional[bool] = None,
     kernel: Kernel = "auto",
 ) -> torch.Tensor:
-    """Routed MoE over AP experts: sum_s w[t,s] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t,s].
+    """Routed MoE over AP experts: sum_s w[t,s] * down_e(act(gate_e x_t) * up_e x_t), e = topk_ids[t,s].
+
+    `activation`: the gate's, "silu" (SwiGLU) or "gelu" (Gemma-4), on every kernel (activation.py).
 
     hidden [M, H] bf16/fp16/fp32, topk_weights [M, k] fp32, topk_ids [M, k] int32/int64 -> [M, H] in
     hidden's dtype. Expert bitwidths, tables and planes are read from w13/w2's page tables at run time.
@@ -147,7 +149,7 @@ def ap_fused_moe(
                 from pagedweight.kernels.cuda_mma import ap_fused_moe_mma as fused_moe
             else:
                 from pagedweight.kernels.cuda_lut import ap_fused_moe_lut as fused_moe
-            return fused_moe(hidden, topk_weights, topk_ids, w13, w2,
+            return fused_moe(hidden, topk_weights, topk_ids, w13, w2, activation=activation,
                              apply_router_weight_on_input=apply_router_weight_on_input)
     from pagedweight.kernels.triton_moe import ap_fused_moe_triton, compute_dtype
 
@@ -172,7 +174,7 @@ def ap_fused_moe(
     return ap_fused_moe_triton(
         hidden.contiguous(), topk_weights.contiguous(), topk_ids, w13, w2, align, configs[0], configs[1],
         apply_router_weight_on_input=apply_router_weight_on_input,
-        use_asm=hidden.is_cuda if use_asm is None else use_asm, sglang_configs=sglang_cfgs,
+        use_asm=hidden.is_cuda if use_asm is None else use_asm, sglang_configs=sglang_cfgs, activation=activation,
     )
 
 

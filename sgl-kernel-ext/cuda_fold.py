@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from pagedweight.kernels.activation import act_defines
 from pagedweight.kernels.align import moe_align_block_size
 from pagedweight.kernels.config import expected_experts_hit
 from pagedweight.kernels.nvrtc import compile_cubin, launch, load_kernel
@@ -298,10 +299,11 @@ def device_launch_facts(device: torch.device) -> tuple[int, bool]:
 def _gemv(mode: int, cfg: FoldConfig, w: APMoEWeights, compute: int, out_code: int, device: torch.device,
           grid: tuple[int, int, int], *, xf, xs, topk_weights, sorted_ids, expert_ids, post_pad, xf_out, xs_out,
           acc_out, out, counters, bias, num_pairs: int, topk: int, n_out: int, m_rows: int, k_per_split: int,
-          row_index: int, apply_w_in: bool, g_out: int, xunit_per_pair: bool, has_bias: bool = False) -> None:
+          row_index: int, apply_w_in: bool, g_out: int, xunit_per_pair: bool, has_bias: bool = False,
+          activation: str = "silu") -> None:
     cfg.check_ring(w.bits_max)
-    kernel = _compiled(_SOURCE, "ap_fold_gemv", tuple(gemv_defines(mode, cfg, w.bits_max, w.group_size, compute, out_code)),
-                       device.index or 0, cfg.shared_bytes)
+    defines = gemv_defines(mode, cfg, w.bits_max, w.group_size, compute, out_code) + act_defines(activation)
+    kernel = _compiled(_SOURCE, "ap_fold_gemv", tuple(defines), device.index or 0, cfg.shared_bytes)
     launch(kernel, grid, (32 * cfg.warps, 1, 1), shared_mem=cfg.shared_bytes, pdl=cfg.pdl,
            args=[xf, xs, w.page_table, topk_weights, sorted_ids, expert_ids, post_pad, xf_out, xs_out, acc_out, out,
                  counters, bias, num_pairs, topk, n_out, w.N, w.K, m_rows, k_per_split, row_index, int(apply_w_in),
@@ -325,9 +327,10 @@ def _prep(cfg: FoldConfig, x: torch.Tensor, group_size: int, compute: int, units
 
 def ap_fused_moe_fold(
     hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: APMoEWeights, w2: APMoEWeights,
-    *, apply_router_weight_on_input: bool = False, configs: tuple[FoldConfig, FoldConfig] | None = None,
+    *, activation: str = "silu", apply_router_weight_on_input: bool = False,
+    configs: tuple[FoldConfig, FoldConfig] | None = None,
 ) -> torch.Tensor:
-    """gate/up -> silu * up -> down with routing weights; [M, H] in hidden's dtype."""
+    """gate/up -> act(gate) * up -> down with routing weights (act: activation.py); [M, H] in hidden's dtype."""
     require_fold("moe", fold_moe_unsupported(w13, w2))
     m, topk = topk_ids.shape
     num_pairs = m * topk
@@ -371,7 +374,7 @@ def ap_fused_moe_fold(
     _gemv(MODE_W13, c13, w13, compute, 0, dev, (units, row_blocks13, 1),
           xf=xf13, xs=xs13, xf_out=xf2, xs_out=xs2, acc_out=dummy, out=dummy, counters=dummy, bias=dummy,
           n_out=inter, k_per_split=w13.K, g_out=w2.group_size, xunit_per_pair=apply_router_weight_on_input,
-          **common)
+          activation=activation, **common)
     kps = c2.k_per_split or inter
     _gemv(MODE_W2, c2, w2, compute, _DTYPE_CODE[hidden.dtype], dev, (units, row_blocks2, -(-inter // kps)),
           xf=xf2, xs=xs2, xf_out=dummy, xs_out=dummy, acc_out=acc, out=out, counters=counters, bias=dummy,

@@ -27,7 +27,7 @@
 // or row / pair with DIRECT), chunk, n-tile and j, 32 lanes x 8 16-bit values; value 2 e + h of lane (g, t)
 // is input 32 t + 4 (e + 4 h) + j of slot g. One coalesced 16-byte load per lane feeds 2 mma.
 //
-// MODE 0: MoE gate/up; silu(gate) * up is formed in the epilogue (gate and up of one n share a lane) and stored,
+// MODE 0: MoE gate/up; gate_act(gate) * up (gate_act.cuh: ACT) is formed in the epilogue (gate and up of one n share a lane) and stored,
 //         rounded to the compute type, in w2's activation order, with its group sums (float32 atomics).
 // MODE 1: MoE down, times the routing weight, float32 atomics into [M, N]; the last block of each row block
 //         converts its rows to the output dtype (one counter per row block; the prep kernel zeroes them).
@@ -151,6 +151,7 @@
 #define ACT_RING_BYTES (SA_STAGES * SC * (UNIT_CHUNK_ELEMS * 2 + SUM_CHUNK_BYTES))  // SA: one K range's activation ring (the widest stage)
 
 #include "cuda_common.cuh"
+#include "gate_act.cuh"
 
 #if CT == 0
 #define BIAS 128.f
@@ -672,7 +673,7 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
 
 
 #if MODE == 0
-// act = silu(gate) * up of finished row tile rt (n = 8 rt + g; slots 2t, 2t+1 of each n-tile), rounded to the compute
+// act = gate_act(gate) * up of finished row tile rt (n = 8 rt + g; slots 2t, 2t+1 of each n-tile), rounded to the compute
 // type, into w2's activations (xo: this unit's) and their group sums (xs_unit: this unit's, float32 atomics)
 __device__ __forceinline__ void w13_store_tile(const float (*yt)[4], int rt, int n_out, int g_out, u16* xo, float* xs_unit,
                                                int num_pairs, const int* sorted_ids) {
@@ -687,7 +688,7 @@ __device__ __forceinline__ void w13_store_tile(const float (*yt)[4], int rt, int
             const int slot = nt * 8 + 2 * t + h;
             const int p = pair_of(slot, num_pairs, sorted_ids);
             const float gte = yt[nt][h], up = yt[nt][2 + h];
-            const float act = gte / (1.f + __expf(-gte)) * up;
+            const float act = gate_act(gte) * up;
             const u16 hv = f2ct(act);
             part[h] = 0.f;
             if (p >= 0 && n < n_out) {

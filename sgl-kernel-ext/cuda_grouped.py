@@ -25,6 +25,7 @@ import torch
 
 from pagedweight.kernels.align import moe_align_block_size
 from pagedweight.kernels.cuda_fold import _DTYPE_CODE, compute_code
+from pagedweight.kernels.activation import act_defines
 from pagedweight.kernels.nvrtc import cached_kernel, compile_cubin
 from pagedweight.kernels.weights import APMoEWeights
 
@@ -157,9 +158,9 @@ def default_grouped_config(m: int, topk: int, num_experts: int) -> GroupedConfig
 
 def ap_fused_moe_grouped(
     hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: APMoEWeights, w2: APMoEWeights,
-    *, apply_router_weight_on_input: bool = False, config: GroupedConfig | None = None,
+    *, activation: str = "silu", apply_router_weight_on_input: bool = False, config: GroupedConfig | None = None,
 ) -> torch.Tensor:
-    """gate/up -> silu * up -> down with routing weights; [M, H] in hidden's dtype."""
+    """gate/up -> act(gate) * up -> down with routing weights (act: activation.py); [M, H] in hidden's dtype."""
     require_grouped(grouped_moe_unsupported(w13, w2))
     m, topk = topk_ids.shape
     num_pairs = m * topk
@@ -195,7 +196,8 @@ def ap_fused_moe_grouped(
     common = [tw, align.sorted_ids, align.expert_ids, align.num_tokens_post_padded]
     for mode, w, xin, xsin, n_out in ((MODE_W13, w13, xp, xs13, inter), (MODE_W2, w2, act, xs2, H)):
         smem = cfg.shared_bytes(w.bits_max)
-        defines = tuple(gemm_defines(mode, cfg, w.bits_max, w.group_size, compute))
+        defines = gemm_defines(mode, cfg, w.bits_max, w.group_size, compute)
+        defines = tuple(defines + act_defines(activation) if mode == MODE_W13 else defines)
         kernel = cached_kernel(cfg.source, cfg.kernel_name, defines, dev.index or 0, smem, gemm_arch(cfg, cc))
         rows = ROWS_PER_BLOCK // 2 if mode == MODE_W13 else ROWS_PER_BLOCK
         kernel(grid=(n_out // rows, align.max_blocks, 1), block=(cfg.threads, 1, 1), shared_mem=smem,

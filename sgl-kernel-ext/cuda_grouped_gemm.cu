@@ -21,7 +21,7 @@
 // piece is then exactly the B fragment that matches the code pairs a lane builds (nibbles e, e + 4 of code word
 // j). ap_grouped_prep writes w13's input in that order (with its group sums); w13's epilogue writes w2's.
 //
-// MODE 0: MoE gate/up; silu(gate) * up for each (n, pair), rounded to the compute type, into w2's activations
+// MODE 0: MoE gate/up; gate_act(gate) * up (gate_act.cuh) for each (n, pair), rounded to the compute type, into w2's activations
 //         [pairs, I] (row = pair, permuted chunks), with their group sums (float32 atomics into [pairs, I/g_out]).
 // MODE 1: MoE down, times the routing weight, float32 atomics into [M, N] (which also sums the top-k slots).
 
@@ -71,6 +71,7 @@
 
 #include "cuda_common.cuh"
 #include "grouped_common.cuh"
+#include "gate_act.cuh"
 
 __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE
@@ -320,7 +321,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
 #undef CALL_MAIN
 
 #if MODE == 0
-    // act = silu(gate) * up for (n, pair) into a [BM][64] tile in shared memory (the pipeline is drained) ...
+    // act = gate_act(gate) * up for (n, pair) into a [BM][64] tile in shared memory (the pipeline is drained) ...
     __syncthreads();
     u16* tile = (u16*)smem;
 #pragma unroll
@@ -331,7 +332,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
             for (int h = 0; h < 2; ++h) {
                 const float gte = acc[a][nt][h], up = acc[a][nt][2 + h];
                 const int slot = 64 * wn + 8 * nt + 2 * t + h;
-                tile[slot * 64 + 8 * TILE(wr, a) + g] = f2ct(gte / (1.f + __expf(-gte)) * up);
+                tile[slot * 64 + 8 * TILE(wr, a) + g] = f2ct(gate_act(gte) * up);
             }
     __syncthreads();
     // ... then out in w2's order

@@ -65,6 +65,7 @@
 
 #include "cuda_common.cuh"
 #include "grouped_common.cuh"
+#include "gate_act.cuh"
 
 __device__ __forceinline__ void bar_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
@@ -324,7 +325,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_ws_gemm(
 
     const int T = 4 * wg + w;  // consumers: accumulator rows 16 T + g (c < 2), + 8 (c >= 2)
 #if MODE == 0
-    // act = silu(gate) * up for (n, pair) into a [BN][64] tile in shared memory ...
+    // act = gate_act(gate) * up for (n, pair) into a [BN][64] tile in shared memory ...
     u16* tile = (u16*)smem;
     if (tid < NCONS) {
 #pragma unroll
@@ -332,7 +333,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_ws_gemm(
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const float gte = acc[i][h], up = acc[i][2 + h];
-                tile[(8 * i + 2 * t + h) * 64 + 8 * T + g] = f2ct(gte / (1.f + __expf(-gte)) * up);
+                tile[(8 * i + 2 * t + h) * 64 + 8 * T + g] = f2ct(gate_act(gte) * up);
             }
     }
     __syncthreads();

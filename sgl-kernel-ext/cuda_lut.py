@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from pagedweight.kernels.activation import act_defines
 from pagedweight.kernels.align import moe_align_block_size
 from pagedweight.kernels.nvrtc import compile_cubin, load_kernel
 from pagedweight.kernels.weights import APMoEWeights
@@ -107,11 +108,12 @@ def default_lut_config(active_blocks_m: int, block_m: int, n: int, k: int, num_s
 
 
 def kernel_defines(mode: int, x_dtype: torch.dtype, block_m: int, bits_max: int, group_size: int,
-                   direct: bool = False, uniform: bool = False, l2_prefetch: int = 0) -> list[str]:
+                   direct: bool = False, uniform: bool = False, l2_prefetch: int = 0, activation: str = "silu") -> list[str]:
     """direct: one pair per block in routing order, its expert read from topk_ids (MoE modes, block_m 1);
-    uniform: ubcq tables (one scale and the offset per group)."""
+    uniform: ubcq tables (one scale and the offset per group); activation: MODE_W2's act(gate) * up."""
     return [f"-DMODE={mode}", f"-DXT={_XT[x_dtype]}", f"-DBM={block_m}", f"-DPMAX={bits_max}", f"-DG={group_size}",
-            f"-DDIRECT={int(direct)}", f"-DUNIFORM={int(uniform)}", f"-DL2PF={l2_prefetch}"]
+            f"-DDIRECT={int(direct)}", f"-DUNIFORM={int(uniform)}", f"-DL2PF={l2_prefetch}"] + (
+                act_defines(activation) if mode == MODE_W2 else [])
 
 
 def compile_to_cubin(defines: list[str], compute_capability: str) -> bytes:
@@ -120,19 +122,19 @@ def compile_to_cubin(defines: list[str], compute_capability: str) -> bytes:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(mode: int, x_dtype: torch.dtype, block_m: int, bits_max: int, group_size: int, direct: bool,
-            uniform: bool, l2_prefetch: int, device_index: int):
+            uniform: bool, l2_prefetch: int, device_index: int, activation: str = "silu"):
     """The compiled kernel for one variant on one device (compiled once per process)."""
-    defines = kernel_defines(mode, x_dtype, block_m, bits_max, group_size, direct, uniform, l2_prefetch)
+    defines = kernel_defines(mode, x_dtype, block_m, bits_max, group_size, direct, uniform, l2_prefetch, activation)
     return load_kernel(_SOURCE, "ap_lut_gemv", defines, device_index)
 
 
 def _launch(mode: int, x: torch.Tensor, out: torch.Tensor, w: APMoEWeights, cfg: LUTConfig, grid_m: int,
             *, topk_weights=None, sorted_ids=None, expert_ids=None, post_pad=None, num_pairs: int, topk: int,
-            row_index: int = 0, apply_w_in: bool = False, direct: bool = False) -> None:
+            row_index: int = 0, apply_w_in: bool = False, direct: bool = False, activation: str = "silu") -> None:
     if x.data_ptr() % 16:  # the kernel reads 4 activations per vector load
         x = x.clone()
     kernel = _kernel(mode, x.dtype, cfg.block_m, w.bits_max, w.group_size, direct, w.table_kind == "ubcq",
-                     cfg.l2_prefetch, x.device.index or 0)
+                     cfg.l2_prefetch, x.device.index or 0, activation)
     smem = cfg.shared_bytes()
     if smem > kernel._max_shared_mem_bytes:
         kernel.set_shared_memory_config(smem)
@@ -154,10 +156,11 @@ def _launch(mode: int, x: torch.Tensor, out: torch.Tensor, w: APMoEWeights, cfg:
 
 def ap_fused_moe_lut(
     hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: APMoEWeights, w2: APMoEWeights,
-    *, apply_router_weight_on_input: bool = False, configs: tuple[LUTConfig, LUTConfig] | None = None,
+    *, activation: str = "silu", apply_router_weight_on_input: bool = False,
+    configs: tuple[LUTConfig, LUTConfig] | None = None,
 ) -> torch.Tensor:
-    """gate/up -> silu * up -> down with routing weights, over the page tables: w13 into a float32 h, then w2
-    with silu applied while its tables are built, after the token/expert alignment. At one pair per block
+    """gate/up -> act(gate) * up -> down with routing weights, over the page tables: w13 into a float32 h, then w2
+    with act(gate) * up (activation.py) applied while its tables are built, after the token/expert alignment. At one pair per block
     (block_m 1, the M=1 decode case) the kernels take the pairs in routing order with their experts read
     from topk_ids, so no alignment is launched; h and the output share one zeroed buffer (one memset)."""
     require_lut("w13", w13)
@@ -184,7 +187,7 @@ def ap_fused_moe_lut(
     h = acc[: num_pairs * w13.N].view(num_pairs, w13.N)
     out = acc[num_pairs * w13.N :].view(m, w2.N)
     _launch(MODE_W13, x, h, w13, configs[0], grid_m, **common)
-    _launch(MODE_W2, h, out, w2, configs[1], grid_m, **common)
+    _launch(MODE_W2, h, out, w2, configs[1], grid_m, activation=activation, **common)
     return out.to(hidden.dtype)
 
 

@@ -14,7 +14,7 @@
 // summed with float32 atomics into a zeroed output.
 //
 // MODE 0: MoE gate/up. x [M, K] indexed by token = pair / topk; out h [num_pairs, N] float32, row = pair.
-// MODE 1: MoE down. x = silu(h[pair, :K]) * h[pair, K:2K] (float32 h from MODE 0); out [M, N] float32, row =
+// MODE 1: MoE down. x = gate_act(h[pair, :K]) * h[pair, K:2K] (float32 h from MODE 0); out [M, N] float32, row =
 //         pair / topk, times the routing weight (unless it was applied on the input).
 // MODE 2: dense linear. x [M, K], pair = row of x, one page-table row; out [M, N] float32.
 // XT: 0 bf16, 1 fp16, 2 fp32 activations (MODE 0 and 2).
@@ -40,6 +40,8 @@
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
+#include "gate_act.cuh"
+
 __device__ __forceinline__ float half_to_float(unsigned short h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -54,10 +56,10 @@ __device__ __forceinline__ void load4(const void* base, long long ld, long long 
     const float* h = (const float*)base + r * ld;
     float4 g = *(const float4*)(h + k);
     float4 u = *(const float4*)(h + K + k);
-    v[0] = g.x / (1.f + __expf(-g.x)) * u.x;
-    v[1] = g.y / (1.f + __expf(-g.y)) * u.y;
-    v[2] = g.z / (1.f + __expf(-g.z)) * u.z;
-    v[3] = g.w / (1.f + __expf(-g.w)) * u.w;
+    v[0] = gate_act(g.x) * u.x;
+    v[1] = gate_act(g.y) * u.y;
+    v[2] = gate_act(g.z) * u.z;
+    v[3] = gate_act(g.w) * u.w;
 #elif XT == 2
     float4 f = *(const float4*)((const float*)base + r * ld + k);
     v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;

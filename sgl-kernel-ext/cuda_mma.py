@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from pagedweight.kernels.activation import act_defines
 from pagedweight.kernels.align import moe_align_block_size
 from pagedweight.kernels.config import expected_experts_hit
 from pagedweight.kernels.nvrtc import compile_cubin, load_kernel
@@ -119,8 +120,9 @@ def kernel_defines(mode: int, n_tiles: int, bits_max: int, group_size: int, dire
             f"-DMINB={min_blocks}", f"-DL2PF={l2_prefetch}", f"-DKH={int(k % CHUNK != 0)}"]
 
 
-def prep_defines(mode: int, x_dtype: torch.dtype) -> list[str]:
-    return [f"-DMODE={mode}", f"-DXT={_XT[x_dtype]}"]
+def prep_defines(mode: int, x_dtype: torch.dtype, activation: str = "silu") -> list[str]:
+    """MODE_W2's prep forms act(gate) * up from the float32 h (activation.py)."""
+    return [f"-DMODE={mode}", f"-DXT={_XT[x_dtype]}"] + (act_defines(activation) if mode == MODE_W2 else [])
 
 
 def compile_to_cubin(defines: list[str], compute_capability: str, name: str = "ap_mma_gemv") -> bytes:
@@ -134,13 +136,13 @@ def _compiled(name: str, defines: tuple[str, ...], device_index: int):
 
 
 def _prep(mode: int, x: torch.Tensor, rows: int, k: int, *, topk_weights=None, topk: int = 1,
-          per_pair: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+          per_pair: bool = False, activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
     """Activations in the fragment order as fp16 [rows, k], and the per-row factor the output is multiplied by."""
     xp = torch.empty(rows, k, dtype=torch.float16, device=x.device)
     xscale = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows == 0:
         return xp, xscale
-    kernel = _compiled("ap_mma_prep", tuple(prep_defines(mode, x.dtype if mode != MODE_W2 else torch.float32)),
+    kernel = _compiled("ap_mma_prep", tuple(prep_defines(mode, x.dtype if mode != MODE_W2 else torch.float32, activation)),
                        x.device.index or 0)
     kernel(grid=(rows, 1, 1), block=(256, 1, 1),
            args=[x, topk_weights if topk_weights is not None else xscale, xp, xscale, k, x.stride(0), topk,
@@ -186,10 +188,11 @@ def default_moe_mma_configs(m: int, topk: int, num_experts: int, w13: APMoEWeigh
 
 def ap_fused_moe_mma(
     hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: APMoEWeights, w2: APMoEWeights,
-    *, apply_router_weight_on_input: bool = False, configs: tuple[MMAConfig, MMAConfig] | None = None,
+    *, activation: str = "silu", apply_router_weight_on_input: bool = False,
+    configs: tuple[MMAConfig, MMAConfig] | None = None,
 ) -> torch.Tensor:
-    """gate/up -> silu * up -> down with routing weights: activations to fp16 fragments, w13 into a float32 h,
-    h's silu * up to fp16 fragments, w2 into the output (both summed with float32 atomics, one zeroed buffer)."""
+    """gate/up -> act(gate) * up -> down with routing weights: activations to fp16 fragments, w13 into a float32 h,
+    h's act(gate) * up (activation.py) to fp16 fragments, w2 into the output (both summed with float32 atomics, one zeroed buffer)."""
     require_mma("w13", w13)
     require_mma("w2", w2)
     m, topk = topk_ids.shape
@@ -214,7 +217,7 @@ def ap_fused_moe_mma(
     h = acc[: num_pairs * w13.N].view(num_pairs, w13.N)
     out = acc[num_pairs * w13.N :].view(m, w2.N)
     _launch(MODE_W13, xp, xs, h, w13, configs[0], grid_m, xp_per_pair=per_pair, **common)
-    hp, hs = _prep(MODE_W2, h, num_pairs, w2.K)
+    hp, hs = _prep(MODE_W2, h, num_pairs, w2.K, activation=activation)
     _launch(MODE_W2, hp, hs, out, w2, configs[1], grid_m, xp_per_pair=True, **common)
     return out.to(hidden.dtype)
 

@@ -156,6 +156,7 @@ struct ChunkRegs {
 
 // ldg_plane: the plane loads, with the L2 prefetch size L2PF
 #include "plane_load.cuh"
+#include "gate_act.cuh"
 
 #if KH
 // the plane bytes of inputs k .. k + 127 of one row in two 8-byte halves; a half at or past k_end reads as 0
@@ -383,7 +384,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) ap_mma_gemv(
 
 // ---- activations -> fp16 in the fragment order, one block per row, times a power of two per row ----
 // MODE 0: row = token (or pair when the routing weight is applied on the input: x[pair / topk] * w[pair]);
-// MODE 1: row = pair, value silu(h[pair, k]) * h[pair, K + k] from the float32 h; MODE 2: row of x.
+// MODE 1: row = pair, value gate_act(h[pair, k]) * h[pair, K + k] from the float32 h; MODE 2: row of x.
 // XT: 0 bf16, 1 fp16, 2 fp32 (MODE 0 and 2).
 
 __device__ __forceinline__ float load_x(const void* x, long long r, long long ld, int k) {
@@ -401,7 +402,7 @@ __device__ __forceinline__ float act_value(const void* x, const float* topk_weig
 #if MODE == 1
     const float* h = (const float*)x + (long long)r * ld;
     const float gte = h[k];
-    return gte / (1.f + __expf(-gte)) * h[K + k];
+    return gate_act(gte) * h[K + k];
 #elif MODE == 0
     if (per_pair) return load_x(x, r / topk, ld, k) * topk_weights[r];
     return load_x(x, r, ld, k);

@@ -3,7 +3,9 @@
 Each used expert is dequantized with `pagedweight.format.layout.dequantize` from what its page-table row
 says (bitwidth, table, planes), then the MoE is computed in float32:
 
-    out[t] = sum_s w[t, s] * W2_e (silu(W1_e[:I] x_t) * W1_e[I:] x_t),  e = topk_ids[t, s]
+    out[t] = sum_s w[t, s] * W2_e (act(W1_e[:I] x_t) * W1_e[I:] x_t),  e = topk_ids[t, s]
+
+(act: SiLU, or GELU for Gemma-4: activation.py)
 
 Addresses are turned back into tensors with `weights.resident(e)` when given (its data_ptrs must equal
 the row: a stale view is an error), otherwise, for CPU page tables only, by reading the addressed host
@@ -15,9 +17,9 @@ from __future__ import annotations
 import ctypes
 
 import torch
-import torch.nn.functional as F
 
 from pagedweight.format.layout import dequantize
+from pagedweight.kernels.activation import check_activation, gate_act
 from pagedweight.kernels.weights import PT_BITS, PT_PLANES, PT_TABLE, APMoEWeights
 
 
@@ -96,7 +98,7 @@ def ap_fused_moe_reference(
         rw = tw[tok, slot][:, None]
         xe = x[tok] * rw if apply_router_weight_on_input else x[tok]
         h = xe @ dequantize_expert(w13, e).to(x.device).t()
-        a = F.silu(h[:, :inter]) * h[:, inter:]
+        a = gate_act(h[:, :inter], activation) * h[:, inter:]
         y = a @ dequantize_expert(w2, e).to(x.device).t()
         out.index_add_(0, tok, y if apply_router_weight_on_input else y * rw)
     return out.to(hidden.dtype)
@@ -104,8 +106,7 @@ def ap_fused_moe_reference(
 
 def check_moe_args(hidden, topk_weights, topk_ids, w13: APMoEWeights, w2: APMoEWeights, activation: str) -> None:
     """Shape/dtype checks shared by the reference and the Triton path (no device sync)."""
-    if activation != "silu":
-        raise ValueError(f"only activation='silu' (gate/up SwiGLU experts) is supported, got {activation!r}")
+    check_activation(activation)
     if hidden.dim() != 2 or hidden.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"hidden must be [M, H] bf16/fp16/fp32, got {hidden.dtype} {tuple(hidden.shape)}")
     m = hidden.shape[0]

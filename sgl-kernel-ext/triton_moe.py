@@ -2,8 +2,9 @@
 
   w13 (decode default, `_ap_moe_w13_split_kernel`): per (M-block of one expert, BN of the 2I gate||up
         rows, K split): one tile rebuilt from the expert's planes at its committed bitwidth, tl.dot,
-        h [pairs, 2I]; then `_silu_mul_kernel` writes act = silu(gate) * up in w2's column order.
-  w13 (`_ap_moe_w13_kernel`, fuse_gate_up): gate and up tiles in one program, silu fused.
+        h [pairs, 2I]; then `_gate_mul_kernel` writes act = act(gate) * up in w2's column order (ACT: 0 silu,
+        1 gelu; activation.py).
+  w13 (`_ap_moe_w13_kernel`, fuse_gate_up): gate and up tiles in one program, the activation fused.
   w2:   per (M-block, BN hidden columns, K split): down tiles, times the routing weight, atomically
         added into a float32 [M, H] output (which also sums the top-k slots of each token).
   prefill (dequant_chunk > 0): triton_dequant_moe.py.
@@ -18,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedweight.kernels.activation import act_code
 from pagedweight.kernels.align import MoEAlignment
 from pagedweight.kernels.config import APKernelConfig, largest_block_k
 from pagedweight.kernels.triton_tiles import (
@@ -36,12 +38,20 @@ _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 @triton.jit
+def _gate_act(g, ACT: tl.constexpr):
+    """The expert's gate activation (activation.py): 0 SiLU, 1 GELU (erf form)."""
+    if ACT == 1:
+        return 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+    return g / (1.0 + tl.exp(-g))
+
+
+@triton.jit
 def _ap_moe_w13_kernel(
     x_ptr, act_ptr, pt_ptr, tw_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr,
     num_pairs, topk, I, K, G: tl.constexpr, stride_xm, stride_am, PT_STRIDE,
     KIND: tl.constexpr, KIND2: tl.constexpr, APPLY_W_IN: tl.constexpr, P_MAX: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CD: tl.constexpr, USE_ASM: tl.constexpr, DOT_F32: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, ACT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -101,7 +111,7 @@ def _ap_moe_w13_kernel(
             wu = weight_tile(p0, p1, p2, p3, p4, p5, p6, p7, q, table, offs_n + I, mask_n, k0, 2 * I, K, G,
                              KIND, BN, BK, P_MAX, CD, USE_ASM)
             acc_u = tile_dot(wu, xt, acc_u, DOT_F32)
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    act = _gate_act(acc_g, ACT) * acc_u
     # written in the column order the w2 tiles expect (KIND2), so w2 loads contiguous tiles too
     ptrs = act_ptr + pairs[None, :].to(tl.int64) * stride_am + permuted_position(offs_n, KIND2)[:, None]
     tl.store(ptrs, act.to(act_ptr.dtype.element_ty), mask=valid[None, :] & mask_n[:, None])
@@ -175,14 +185,15 @@ def _ap_moe_w13_split_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(h_ptr, act_ptr, I, stride_hm, stride_am, KIND2: tl.constexpr, BLOCK: tl.constexpr):
-    """act[pair, permuted(j)] = silu(h[pair, j]) * h[pair, I + j], in the column order w2's tiles read."""
+def _gate_mul_kernel(h_ptr, act_ptr, I, stride_hm, stride_am, KIND2: tl.constexpr, BLOCK: tl.constexpr,
+                     ACT: tl.constexpr):
+    """act[pair, permuted(j)] = act(h[pair, j]) * h[pair, I + j], in the column order w2's tiles read."""
     pair = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = j < I
     g = tl.load(h_ptr + pair * stride_hm + j, mask=m, other=0.0).to(tl.float32)
     u = tl.load(h_ptr + pair * stride_hm + I + j, mask=m, other=0.0).to(tl.float32)
-    a = g / (1.0 + tl.exp(-g)) * u
+    a = _gate_act(g, ACT) * u
     tl.store(act_ptr + pair * stride_am + permuted_position(j, KIND2), a.to(act_ptr.dtype.element_ty), mask=m)
 
 
@@ -337,7 +348,7 @@ class _ScratchPipeline:
 
 
 def _dequantized_moe(x, act, out, w13, w2, tw, topk_ids, align, cfg13, cfg2, num_pairs, topk, kind2, *,
-                     apply_router_weight_on_input, use_asm, cd, sglang_configs) -> None:
+                     apply_router_weight_on_input, use_asm, cd, sglang_configs, act_kind: int) -> None:
     """Prefill path (triton_dequant_moe.py): experts dequantized once per call in chunks, dense GEMMs
     (SGLang's fused-MoE kernel, sglang_dense_moe.py, or ours, per cfg13.dense_gemm)."""
     from pagedweight.kernels.triton_dequant_moe import dense_moe_chunk, dequantize_chunk
@@ -361,7 +372,7 @@ def _dequantized_moe(x, act, out, w13, w2, tw, topk_ids, align, cfg13, cfg2, num
     h13 = torch.empty(num_pairs, 2 * inter, dtype=cd, device=x.device)
 
     def gemm13(s13, e0):
-        # router weight on the input: W13 (w x) = w (W13 x), so it scales h before silu
+        # router weight on the input: W13 (w x) = w (W13 x), so it scales h before the activation
         if use_sglang:
             sglang_moe_chunk(x, h13, s13, tw2d, topk_ids, align, e0, w13.num_experts, rows_per_a=topk,
                              mul_routed_weight=apply_router_weight_on_input, config=sglang_configs.up)
@@ -372,8 +383,8 @@ def _dequantized_moe(x, act, out, w13, w2, tw, topk_ids, align, cfg13, cfg2, num
 
     _ScratchPipeline(w13, chunk, cd, x.device, cfg13.dequant_overlap).run(
         lambda s, e0: dequantize_chunk(w13, s, e0, cd_tl, 64, bk13, use_asm, kernel=cfg13.dequant_kernel), gemm13)
-    _silu_mul_kernel[(num_pairs, triton.cdiv(inter, 1024))](
-        h13, act, inter, h13.stride(0), act.stride(0), KIND2=kind2, BLOCK=1024, num_warps=4,
+    _gate_mul_kernel[(num_pairs, triton.cdiv(inter, 1024))](
+        h13, act, inter, h13.stride(0), act.stride(0), KIND2=kind2, BLOCK=1024, ACT=act_kind, num_warps=4,
     )
     # SGLang's kernel stores one row per (token, slot) pair; the top-k slots are summed afterwards
     h2 = torch.empty(num_pairs, w2.N, dtype=cd, device=x.device) if use_sglang else None
@@ -406,12 +417,13 @@ def ap_fused_moe_triton(
     apply_router_weight_on_input: bool,
     use_asm: bool,
     sglang_configs=None,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """Launches both kernels; `align` must have been built with cfg13.block_m == cfg2.block_m.
     `sglang_configs` (sglang_dense_moe.SGLangMoEConfigs): the prefill path's SGLang GEMM configs, required
     when cfg13.dense_gemm == "sglang" (`align` then uses their BLOCK_SIZE_M)."""
     if cfg13.fuse_gate_up and cfg13.split_k > 1:
-        raise ValueError("w13 split_k > 1 needs fuse_gate_up=False (silu needs the whole K sum)")
+        raise ValueError("w13 split_k > 1 needs fuse_gate_up=False (the activation needs the whole K sum)")
     if cfg13.block_m != align.block_size or cfg2.block_m != align.block_size:
         raise ValueError(f"alignment block {align.block_size} != kernel BM {cfg13.block_m}/{cfg2.block_m}")
     _check_bk(w13, cfg13.block_k, "w13")
@@ -431,7 +443,7 @@ def ap_fused_moe_triton(
     if cfg13.dequant_chunk > 0:
         _dequantized_moe(x, act, out, w13, w2, tw, topk_ids, align, cfg13, cfg2, num_pairs, topk, kind2,
                          apply_router_weight_on_input=apply_router_weight_on_input, use_asm=use_asm, cd=cd,
-                         sglang_configs=sglang_configs)
+                         sglang_configs=sglang_configs, act_kind=act_code(activation))
         return out.to(hidden.dtype)
     if cfg13.fuse_gate_up:
         _ap_moe_w13_kernel[(max_blocks, triton.cdiv(inter, cfg13.block_n))](
@@ -439,7 +451,8 @@ def ap_fused_moe_triton(
             num_pairs, topk, inter, w13.K, w13.group_size, x.stride(0), act.stride(0), w13.page_table.stride(0),
             KIND=kind13, KIND2=kind2, APPLY_W_IN=apply_router_weight_on_input, P_MAX=w13.bits_max,
             BM=cfg13.block_m, BN=cfg13.block_n, BK=cfg13.block_k, CD=_TL_DTYPE[cd], USE_ASM=use_asm,
-            DOT_F32=not hidden.is_cuda, PREFETCH=cfg13.prefetch, **cfg13.launch_options(hidden.is_cuda),
+            DOT_F32=not hidden.is_cuda, PREFETCH=cfg13.prefetch, ACT=act_code(activation),
+            **cfg13.launch_options(hidden.is_cuda),
         )
     else:
         if cfg13.split_k > 1:
@@ -453,8 +466,9 @@ def ap_fused_moe_triton(
             BM=cfg13.block_m, BN=cfg13.block_n, BK=cfg13.block_k, CD=_TL_DTYPE[cd], USE_ASM=use_asm,
             DOT_F32=not hidden.is_cuda, PREFETCH=cfg13.prefetch, **cfg13.launch_options(hidden.is_cuda),
         )
-        _silu_mul_kernel[(num_pairs, triton.cdiv(inter, 1024))](
-            h13, act, inter, h13.stride(0), act.stride(0), KIND2=kind2, BLOCK=1024, num_warps=4,
+        _gate_mul_kernel[(num_pairs, triton.cdiv(inter, 1024))](
+            h13, act, inter, h13.stride(0), act.stride(0), KIND2=kind2, BLOCK=1024, ACT=act_code(activation),
+            num_warps=4,
         )
     _ap_moe_w2_kernel[(max_blocks, triton.cdiv(h, cfg2.block_n), cfg2.split_k)](
         act, out, w2.page_table, tw, align.sorted_ids, align.expert_ids, align.num_tokens_post_padded,

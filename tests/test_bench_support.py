@@ -170,6 +170,21 @@ def test_dummy_models_load_as_their_transformers_config(name, model_type, expert
     assert (out / "tokenizer.json").exists()
 
 
+def test_gemma4_dummy_model_is_the_26b_a4b_decoder(tmp_path):
+    """The Gemma-4 config-only dir: the multimodal config SGLang serves, its decoder at 26B-A4B's shapes (128 GELU
+    experts top-8 of 704, hidden 2816), cut to 12 layers with the published 5:1 sliding/full pattern."""
+    import transformers
+
+    out = _load_script("dummy_model").make_dummy_model("gemma4_26b_a4b", tmp_path / "g4", num_layers=12)
+    cfg = transformers.AutoConfig.from_pretrained(out)
+    text = cfg.text_config
+    assert cfg.model_type == "gemma4" and cfg.architectures == ["Gemma4ForConditionalGeneration"]
+    assert (text.num_hidden_layers, text.num_experts, text.top_k_experts) == (12, 128, 8)
+    assert (text.hidden_size, text.moe_intermediate_size, text.intermediate_size) == (2816, 704, 2112)
+    assert text.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 2
+    assert text.enable_moe_block and text.attention_k_eq_v and text.sliding_window == 1024
+
+
 def test_bench_one_batch_unit_norms_for_a_stock_dummy_run(monkeypatch):
     """--dummy-unit-norms: after SGLang loads a dummy model, every RMSNorm weight is 1 (as PagedWeight sets them), and
     the flag is refused for a model loaded from a checkpoint."""

@@ -169,6 +169,30 @@ def test_prefill_rebuild_kernels_and_overlap(dequant_kernel, overlap, chunk):
     assert rel_err(out, ref) < tolerance(torch.float16)
 
 
+@needs_kernel_device
+@pytest.mark.parametrize("path", ["split", "fused_gate_up", "dequant_prefill"])
+@pytest.mark.parametrize("apply_w_in", [False, True])
+def test_gelu_gated_experts(path, apply_w_in):
+    """Gemma-4's GELU-gated experts on each Triton w13 path (activation="gelu"): equal to the reference, and not to
+    the SiLU answer (the gate is the one asked for)."""
+    p13, p2 = make_layer(3, [4, 2, 8], [3, 8, 5], "ubcq")
+    dev = KERNEL_DEVICE
+    x = torch.randn(21, H, generator=torch.Generator().manual_seed(6)).half().to(dev)
+    tw, ids = routing(21, 3, 2, "random", 6)
+    tw, ids = tw.to(dev), ids.to(dev)
+    c13 = APKernelConfig(block_m=32, block_n=32, block_k=32, num_warps=2, fuse_gate_up=path == "fused_gate_up",
+                         dequant_chunk=2 if path == "dequant_prefill" else 0,
+                         dense_gemm="triton")
+    cfg = (c13, APKernelConfig(block_m=32, block_n=32, block_k=32, num_warps=2))
+    out = ap_fused_moe(x, tw, ids, p13.weights, p2.weights, backend="triton", configs=cfg, activation="gelu",
+                       apply_router_weight_on_input=apply_w_in)
+    ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights, activation="gelu",
+                                 apply_router_weight_on_input=apply_w_in)
+    silu = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights, apply_router_weight_on_input=apply_w_in)
+    assert rel_err(out, ref) < tolerance(torch.float16)
+    assert rel_err(silu, ref) > 10 * tolerance(torch.float16)
+
+
 def test_dequant_kernel_choice_is_validated():
     with pytest.raises(ValueError, match="dequant_kernel"):
         APKernelConfig(dequant_chunk=1, dequant_kernel="fast")

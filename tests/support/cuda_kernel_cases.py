@@ -93,7 +93,7 @@ def routing(m: int, num_experts: int, topk: int, pattern: str, seed: int = 0) ->
     return w.float().cuda(), ids.to(torch.int32).cuda()
 
 
-def check_graph_replay(p13, p2, m: int, topk: int, kernel: str, bit_mixes, call=None) -> None:
+def check_graph_replay(p13, p2, m: int, topk: int, kernel: str, bit_mixes, call=None, activation: str = "silu") -> None:
     """Capture ap_fused_moe(kernel=...) (or `call(x, tw, ids, w13, w2)`) once, then rewrite both page tables and
     replay: every replay must follow the rows it finds (no recapture)."""
     num_experts = p13.weights.num_experts
@@ -114,5 +114,5 @@ def check_graph_replay(p13, p2, m: int, topk: int, kernel: str, bit_mixes, call=
         w2.page_table.copy_(r2.page_table)
         graph.replay()
         torch.cuda.synchronize()
-        ref = ap_fused_moe_reference(x.float(), tw, ids, r13, r2)
+        ref = ap_fused_moe_reference(x.float(), tw, ids, r13, r2, activation=activation)
         assert rel_err(out, ref) < 2e-2, bits

@@ -3,8 +3,8 @@
 It replaces UnquantizedFusedMoEMethod on every FusedMoE layer (see patches/fused_moe.py). The bf16 expert
 parameters SGLang would create are zero-size placeholders whose weight_loader drops streamed-in weights, so
 no bf16 expert weight is ever resident; after loading, the layer's AP planes are committed at the configured
-bitwidth into a MoELayerStore, whose device page tables the kernel reads. SiLU-gated experts run in the fused AP
-MoE kernel; GELU-gated ones (Gemma-4) expert by expert through the AP linear (serving/gated_experts.py).
+bitwidth into a MoELayerStore, whose device page tables the kernel reads. SiLU- and GELU-gated experts (Gemma-4)
+both run in the fused AP MoE kernels (pagedweight.kernels.activation).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 from sglang.srt.utils import set_weight_attrs
 
 from pagedweight.config import PagedWeightConfig
+from pagedweight.kernels.activation import GATE_ACTIVATIONS
 from pagedweight.runtime.expert_store import MoELayerStore
-from pagedweight.serving.gated_experts import GATE_ACTIVATIONS, ap_gated_moe_per_expert
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +63,11 @@ class PagedWeightMoEMethod(FusedMoEMethodBase):
         activation = moe_runner_config.activation
         if activation not in GATE_ACTIVATIONS or not getattr(moe_runner_config, "is_gated", True):
             raise ValueError(
-                f"{layer.layer_name}: PagedWeight serves gated experts with the activations {sorted(GATE_ACTIVATIONS)}, "
+                f"{layer.layer_name}: PagedWeight serves gated experts with the activations {list(GATE_ACTIVATIONS)}, "
                 f"got activation {activation!r}"
             )
         if activation != "silu" and getattr(layer, "layer_id", 0) == 0:
-            logger.info("PagedWeight: %s-gated experts run expert by expert through the AP linear (the fused AP MoE "
-                        "kernels are SiLU only): correct, slower, and not CUDA-graph capturable", activation)
+            logger.info("PagedWeight: %s-gated experts on the fused AP MoE kernels", activation)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         device = next((p.device for p in layer.parameters()), torch.device("cpu"))
@@ -89,8 +88,7 @@ class PagedWeightMoEMethod(FusedMoEMethodBase):
         self.store.routing_mass.index_add_(0, topk_ids.reshape(-1).long(), topk_weights.reshape(-1).float())
         if self.store.observer is not None:
             self.store.observer.record(layer.layer_id, x, topk_ids, topk_weights)
-        moe = ap_fused_moe if cfg.activation == "silu" else ap_gated_moe_per_expert
-        out = moe(
+        out = ap_fused_moe(
             x,
             topk_weights,
             topk_ids,

@@ -1,5 +1,7 @@
-"""The per-expert AP MoE of GELU-gated layers (serving/gated_experts.py, Gemma-4): it reads each expert's page-table row
-at its own bitwidth and computes what the fused AP MoE computes, with the gate function SGLang's activation names."""
+"""The fused AP MoE's gate activation (pagedweight.kernels.activation; GELU for Gemma-4) on its CPU path: each expert's
+page-table row read at its own bitwidth, the gate function the one SGLang's activation name asks for, against a
+token-by-token dense computation. The GPU kernels are checked against the same reference in test_kernel_moe.py
+(Triton) and test_kernel_gate_activation.py (CUDA)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import torch.nn.functional as F
 
 from pagedweight.kernels import ap_fused_moe, build_ap_moe_weights
 from pagedweight.kernels.reference import dequantize_expert
-from pagedweight.serving.gated_experts import ap_gated_moe_per_expert
 
 EXPERTS, HIDDEN, INTER, GROUP = 4, 32, 16, 16
 BITS = [8, 3, 5, 2]  # one bitwidth per expert: each row is read at its own
@@ -51,22 +52,16 @@ def _dense_gelu_moe(x, weights, ids, w13, w2, on_input: bool):
 @pytest.mark.parametrize("on_input", [False, True])
 def test_gelu_experts_match_the_dense_computation(layer, on_input):
     x, weights, ids, w13, w2, _ = layer
-    got = ap_gated_moe_per_expert(x, weights, ids, w13, w2, activation="gelu", apply_router_weight_on_input=on_input)
+    got = ap_fused_moe(x, weights, ids, w13, w2, activation="gelu", apply_router_weight_on_input=on_input)
     want = _dense_gelu_moe(x, weights, ids, w13, w2, on_input)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    silu = ap_gated_moe_per_expert(x, weights, ids, w13, w2, activation="silu", apply_router_weight_on_input=on_input)
+    silu = ap_fused_moe(x, weights, ids, w13, w2, activation="silu", apply_router_weight_on_input=on_input)
     assert (silu - got).abs().max() > 1e-3  # the gate function is the one asked for
-
-
-def test_silu_per_expert_equals_the_fused_moe(layer):
-    x, weights, ids, w13, w2, _ = layer
-    got = ap_gated_moe_per_expert(x, weights, ids, w13, w2, activation="silu")
-    torch.testing.assert_close(got, ap_fused_moe(x, weights, ids, w13, w2), rtol=1e-4, atol=1e-5)
 
 
 def test_bf16_hidden_comes_back_in_bf16(layer):
     x, weights, ids, w13, w2, _ = layer
-    got = ap_gated_moe_per_expert(x.bfloat16(), weights, ids, w13, w2, activation="gelu")
+    got = ap_fused_moe(x.bfloat16(), weights, ids, w13, w2, activation="gelu")
     assert got.dtype == torch.bfloat16
     want = _dense_gelu_moe(x, weights, ids, w13, w2, False)
     assert float((got.float() - want).norm() / want.norm()) < 2e-2  # bf16 activations between the two linears
@@ -75,14 +70,4 @@ def test_bf16_hidden_comes_back_in_bf16(layer):
 def test_unknown_activation_is_refused(layer):
     x, weights, ids, w13, w2, _ = layer
     with pytest.raises(ValueError, match="gate activations .*got 'relu2'"):
-        ap_gated_moe_per_expert(x, weights, ids, w13, w2, activation="relu2")
-
-
-def test_cuda_graph_capture_is_refused_with_the_fix(layer, monkeypatch):
-    """Inside a CUDA-graph capture the per-expert path would freeze one step's expert set (it reads the used experts
-    back to the host): it refuses in one line that names --disable-cuda-graph."""
-    x, weights, ids, w13, w2, _ = layer
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(RuntimeError, match="^PagedWeight error: gelu-gated .*--disable-cuda-graph$"):
-        ap_gated_moe_per_expert(x, weights, ids, w13, w2, activation="gelu")
+        ap_fused_moe(x, weights, ids, w13, w2, activation="relu2")
