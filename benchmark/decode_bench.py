@@ -27,7 +27,7 @@ import traceback
 import torch
 
 from pagedweight.kernels import ap_fused_moe
-from pagedweight.kernels.api import _use_cuda_kernel, moe_kernel_rules
+from pagedweight.kernels.api import auto_moe_kernel
 from pagedweight.kernels.reference import ap_fused_moe_reference
 from pagedweight.kernels.testing import random_ap_projection
 
@@ -38,11 +38,8 @@ KERNELS = ("fold", "mma", "lut")
 
 
 def default_kernel(M: int, topk: int, E: int, w13, w2) -> str:
-    """What ap_fused_moe(kernel="auto") runs (api.ap_fused_moe asks the rules in this order)."""
-    for name, wins in moe_kernel_rules(M, topk, E, w2.K):
-        if _use_cuda_kernel(name, "auto", True, (w13, w2), wins, False):
-            return name
-    return "triton"
+    """What ap_fused_moe(kernel="auto") runs (api.auto_moe_kernel)."""
+    return auto_moe_kernel(M, topk, w13, w2) or "triton"
 
 
 def load_anchors(path: str | None) -> dict:

@@ -34,9 +34,9 @@ import torch
 from pagedweight.bench.cuda_timing import cuda_setup, graph_time, time_cuda  # noqa: F401 (scripts import them here)
 from pagedweight.format.layout import DEFAULT_TABLE_KIND
 from pagedweight.kernels import APKernelConfig, ap_fused_moe
-from pagedweight.kernels.config import default_moe_configs, prefer_fold, prefer_lut, prefer_mma
+from pagedweight.kernels.api import auto_moe_kernel
+from pagedweight.kernels.config import default_moe_configs
 from pagedweight.kernels.cuda_fold import fold_moe_unsupported
-from pagedweight.kernels.cuda_mma import mma_unsupported
 from pagedweight.kernels.sglang_dense_moe import sglang_moe_configs
 from pagedweight.kernels.reference import ap_fused_moe_reference
 from pagedweight.kernels.testing import random_ap_projection
@@ -318,14 +318,11 @@ def main() -> None:
                     # "default" is what ap_fused_moe picks by itself (the headline); the others are the same
                     # call on the other kernels, same run
                     fold_ok = kind == "ubcq" and fold_moe_unsupported(w13, w2) is None
-                    fold_default = fold_ok and prefer_fold(M, topk, E, I)
-                    mma_default = (kind == "ubcq" and not fold_default and (prefer_mma(M, topk, E) or prefer_fold(M, topk, E, I))
-                                   and mma_unsupported(w13) is None and mma_unsupported(w2) is None)
-                    lut_default = kind != "kmeans" and not fold_default and not mma_default and prefer_lut(M, topk, E)
-                    r["default_kernel"] = ("fold" if fold_default else "mma" if mma_default else "lut" if lut_default
-                                           else "dequant" if c13.dequant_chunk else "tiles")
+                    auto = auto_moe_kernel(M, topk, w13, w2)  # what ap_fused_moe itself runs
+                    fold_default, mma_default, lut_default = auto == "fold", auto == "mma", auto == "lut"
+                    r["default_kernel"] = auto or ("dequant" if c13.dequant_chunk else "tiles")
                     variants = [("default", dict(), c13, c2)]
-                    if lut_default or mma_default or fold_default:
+                    if auto in ("fold", "mma", "lut"):
                         variants.append(("tiles", dict(configs=(c13, c2)), c13, c2))
                     if fold_ok and not fold_default and c13.dequant_chunk == 0:
                         variants.append(("fold", dict(kernel="fold"), c13, c2))

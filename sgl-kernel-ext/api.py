@@ -104,6 +104,16 @@ def moe_kernel_rules(m: int, topk: int, num_experts: int, intermediate: int) -> 
             ("grouped", prefer_grouped(m, topk, num_experts)))
 
 
+def auto_moe_kernel(m: int, topk: int, w13: APMoEWeights, w2: APMoEWeights, *, on_cuda: bool = True,
+                    kernel: Kernel = "auto", explicit_config: bool = False) -> Optional[str]:
+    """The CUDA kernel ap_fused_moe runs for a call of m tokens (None: the Triton path); the one place the choice is
+    made, so the benchmarks label their rows with what the server runs."""
+    for name, wins in moe_kernel_rules(m, topk, w13.num_experts, w2.K):
+        if _use_cuda_kernel(name, kernel, on_cuda, (w13, w2), wins, explicit_config):
+            return name
+    return None
+
+
 def ap_fused_moe(
     hidden: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -137,20 +147,20 @@ def ap_fused_moe(
             activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
         )
     m, topk = topk_ids.shape
-    for name, wins in moe_kernel_rules(m, topk, w13.num_experts, w2.K):
-        if _use_cuda_kernel(name, kernel, hidden.is_cuda, (w13, w2), wins, configs is not None):
-            if m == 0:
-                return torch.zeros_like(hidden)
-            if name == "grouped":
-                from pagedweight.kernels.cuda_grouped import ap_fused_moe_grouped as fused_moe
-            elif name == "fold":
-                from pagedweight.kernels.cuda_fold import ap_fused_moe_fold as fused_moe
-            elif name == "mma":
-                from pagedweight.kernels.cuda_mma import ap_fused_moe_mma as fused_moe
-            else:
-                from pagedweight.kernels.cuda_lut import ap_fused_moe_lut as fused_moe
-            return fused_moe(hidden, topk_weights, topk_ids, w13, w2, activation=activation,
-                             apply_router_weight_on_input=apply_router_weight_on_input)
+    name = auto_moe_kernel(m, topk, w13, w2, on_cuda=hidden.is_cuda, kernel=kernel, explicit_config=configs is not None)
+    if name is not None:
+        if m == 0:
+            return torch.zeros_like(hidden)
+        if name == "grouped":
+            from pagedweight.kernels.cuda_grouped import ap_fused_moe_grouped as fused_moe
+        elif name == "fold":
+            from pagedweight.kernels.cuda_fold import ap_fused_moe_fold as fused_moe
+        elif name == "mma":
+            from pagedweight.kernels.cuda_mma import ap_fused_moe_mma as fused_moe
+        else:
+            from pagedweight.kernels.cuda_lut import ap_fused_moe_lut as fused_moe
+        return fused_moe(hidden, topk_weights, topk_ids, w13, w2, activation=activation,
+                         apply_router_weight_on_input=apply_router_weight_on_input)
     from pagedweight.kernels.triton_moe import ap_fused_moe_triton, compute_dtype
 
     w13.check_triton_supported("w13")

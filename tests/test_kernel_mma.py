@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagedweight.kernels import ap_fused_moe, ap_linear
-from pagedweight.kernels.api import moe_kernel_rules
+from pagedweight.kernels.api import auto_moe_kernel, moe_kernel_rules
 from pagedweight.kernels.config import prefer_lut, prefer_mma
 from pagedweight.kernels.cuda_mma import (
     CHUNK,
@@ -150,6 +150,12 @@ def test_configs_and_dispatch_rules():
     assert rules["fold"] and rules["mma"]
     assert dict(moe_kernel_rules(4, 4, 60, 704))["mma"] and not prefer_mma(4, 4, 60)
     assert not dict(moe_kernel_rules(2048, 4, 60, 704))["mma"]
+    # auto_moe_kernel (what ap_fused_moe runs, and the benchmarks' label) asks the same rules: no CUDA kernel for
+    # weights off the GPU, and only the one asked for with kernel=
+    ub = random_ap_projection(2, 64, 256, [4] * 2, table_kind="ubcq", bits_min=4).weights
+    assert auto_moe_kernel(1, 2, ub, ub) is None
+    with pytest.raises(ValueError, match="kernel='mma' cannot run: it is a CUDA kernel"):
+        auto_moe_kernel(1, 2, ub, ub, kernel="mma", on_cuda=False)
 
 
 def test_refusals_name_the_reason():
@@ -246,6 +252,7 @@ def test_moe_tp2_shard_of_qwen15moe(m, pattern):
     p13, p2 = _layer(60, 512, 704, *mixed_bits(60), seed=m, group=64)
     tw, ids = routing(m, 60, 4, pattern, seed=m)
     check_moe_dtypes(p13, p2, tw, ids, m, 512, "mma")
+    assert auto_moe_kernel(m, 4, p13.weights, p2.weights) == "mma"  # what ap_fused_moe below runs
     x = torch.randn(m, 512, device="cuda")
     ref = ap_fused_moe_reference(x, tw, ids, p13.weights, p2.weights)
     assert rel_err(ap_fused_moe(x, tw, ids, p13.weights, p2.weights), ref) < 5e-3
