@@ -10,6 +10,9 @@ Sizing (scheduler process, while the model runner allocates its pools):
 - AROUND MHATokenToKVPool._create_buffers_normal / _alloc_post_capture_buffers (CUDA only): the K/V
   buffers go into a CUDA VMM reservation mapped in fixed chunks (`ElasticKvVmmBufferOwner`), so only the
   usable prefix takes GPU memory, with or without SGLANG_ENABLE_POST_CAPTURE_KV_SIZING.
+- AROUND MLATokenToKVPool._create_buffers (CUDA only): the same for an MLA pool's per-layer latent buffers
+  (DeepSeek-V2/V3 and what reuses them; SGLang's own VMM path covers MHA pools only). The DSA, FP4 and
+  hybrid variants of the MLA pool stay fixed.
 - AROUND ModelRunner.post_capture_resize_kv_pool: SGLang's post-capture sizing resized the pool; rebase.
 
 Serving:
@@ -39,6 +42,7 @@ logger = logging.getLogger("pagedweight")
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 MHA_POOL = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool"
+MLA_POOL = "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 
 EXTRA_TOKENS_ENV = "PAGEDWEIGHT_ELASTIC_KV_EXTRA_TOKENS"
@@ -144,7 +148,7 @@ def _install(model_runner: Any, sizing: _Sizing) -> None:
     pool = model_runner.token_to_kv_pool
     if sizing.device.startswith("cuda") and sizing.owner is None:
         raise ElasticKVSetupError(
-            f"elastic KV on CUDA needs the VMM-backed MHA pool; {type(pool).__name__} was built without it"
+            f"elastic KV on CUDA needs a VMM-backed MHA or MLA pool; {type(pool).__name__} was built without it"
         )
     from pagedweight.runtime.paged_runtime import find_runtime
 
@@ -173,9 +177,10 @@ def resolve_memory_pool_config_around(original, configurator, *args, **kwargs):
     sizing = sizing_in_progress()
     if sizing is None or configurator.is_draft_worker:
         return config
-    kind = ("MLA latent" if configurator.use_mla_backend else "hybrid sliding-window" if configurator.is_hybrid_swa
-            else "Mamba" if configurator.mambaish_config is not None else "")
-    if kind:  # the elastic cache grows and shrinks plain multi-head-attention pools only
+    kind = ("hybrid sliding-window" if configurator.is_hybrid_swa
+            else "Mamba" if configurator.mambaish_config is not None
+            else _mla_variant(configurator) if configurator.use_mla_backend else "")
+    if kind:  # the elastic cache grows and shrinks plain multi-head-attention and MLA latent pools only
         sizing.fixed_reason = f"the elastic KV cache does not take this model's {kind} KV pool yet"
         return config
     from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
@@ -191,14 +196,36 @@ def resolve_memory_pool_config_around(original, configurator, *args, **kwargs):
     return dataclasses.replace(config, max_total_num_tokens=cap + extra)
 
 
-def _vmm_buffers(pool: Any) -> None:
-    """Put the pool's K/V buffers into a chunk-mapped CUDA VMM reservation of `pool.size` tokens."""
+def _mla_variant(configurator: Any) -> str:
+    """'' when SGLang builds a plain MLATokenToKVPool for this model (KVCacheConfigurator's choice: not a DSA model,
+    not an FP4 KV cache), else the kind of MLA pool it builds instead."""
+    from sglang.srt.configs.model_config import is_deepseek_dsa
+    from sglang.srt.utils.common import is_float4_e2m1fn_x2
+
+    model_config = getattr(configurator, "model_config", None)
+    if model_config is not None and is_deepseek_dsa(model_config.hf_config):
+        return "DSA (sparse-attention MLA)"
+    if is_float4_e2m1fn_x2(getattr(configurator, "kv_cache_dtype", None)):
+        return "FP4 MLA latent"
+    return ""
+
+
+def _mla_buffer_descs(pool: Any) -> list:
+    """One descriptor per layer's latent buffer [size + page, 1, kv_cache_dim], as MLATokenToKVPool._create_buffers
+    shapes it (a row is one token slot)."""
+    from sglang.srt.mem_cache.memory_pool import KvBufferDesc
+
+    shape = (pool.size + pool.page_size, 1, pool.kv_cache_dim)
+    row = pool.kv_cache_dim * pool.store_dtype.itemsize
+    return [KvBufferDesc(f"kv{layer}", shape, row_bytes=row, tokens_per_row=1) for layer in range(pool.layer_num)]
+
+
+def _vmm_owner(pool: Any, buffer_descs: list) -> Any:
+    """A chunk-mapped CUDA VMM owner for `buffer_descs`, reserved for `pool.size` tokens; the sizing keeps it."""
     import torch
 
     from pagedweight.kvcache.elastic_kv_backing import elastic_vmm_owner_class
 
-    if getattr(pool, "kv_cache_layout", None) == "vectorized_5d":
-        raise ElasticKVSetupError("elastic KV cache does not support the vectorized_5d KV layout")
     dev = torch.device(pool.device)
     device_id = dev.index if dev.index is not None else torch.cuda.current_device()
     owner = elastic_vmm_owner_class()(
@@ -207,17 +234,37 @@ def _vmm_buffers(pool: Any) -> None:
         store_dtype=pool.store_dtype,
         page_size=pool.page_size,
         reserved_num_tokens=pool.size,
-        buffer_descs=pool._build_kv_buffer_descs(),
+        buffer_descs=buffer_descs,
     )
+    sizing_in_progress().owner = owner
+    return owner
+
+
+def _vmm_buffers(pool: Any) -> None:
+    """Put the pool's K/V buffers into a chunk-mapped CUDA VMM reservation of `pool.size` tokens."""
+    if getattr(pool, "kv_cache_layout", None) == "vectorized_5d":
+        raise ElasticKVSetupError("elastic KV cache does not support the vectorized_5d KV layout")
+    owner = _vmm_owner(pool, pool._build_kv_buffer_descs())
     pool._post_capture_owner = owner  # SGLang's _clear_buffers closes it, post_capture_backed_bytes reads it
     pool._assign_post_capture_tensors(owner.tensors)
-    sizing_in_progress().owner = owner
 
 
 def _vmm_wanted(pool: Any) -> bool:
     """The pool being built belongs to an elastic sizing on CUDA (not a fixed pool's MHA parts)."""
     sizing = sizing_in_progress()
     return sizing is not None and not sizing.fixed_reason and str(pool.device).startswith("cuda")
+
+
+def mla_create_buffers_around(original, pool, *args, **kwargs):
+    """MLATokenToKVPool._create_buffers: the per-layer latent buffers in the chunk-mapped reservation. Subclasses
+    (DSA, FP4, unified memory) override _create_buffers and never reach here; the sizing already left them fixed."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    if not _vmm_wanted(pool) or type(pool) is not MLATokenToKVPool:
+        return original(pool, *args, **kwargs)
+    if getattr(pool, "custom_mem_pool", None) is not None:
+        raise ElasticKVSetupError("elastic KV cache does not take an MLA pool in a custom memory pool (PD transfer)")
+    pool.kv_buffer = _vmm_owner(pool, _mla_buffer_descs(pool)).tensors
 
 
 def create_buffers_normal_around(original, pool, *args, **kwargs):
@@ -293,6 +340,7 @@ def register(registry, hook_type) -> None:
     registry.register(f"{CONFIGURATOR}._resolve_memory_pool_config", resolve_memory_pool_config_around, hook_type.AROUND)
     registry.register(f"{MHA_POOL}._create_buffers_normal", create_buffers_normal_around, hook_type.AROUND)
     registry.register(f"{MHA_POOL}._alloc_post_capture_buffers", alloc_post_capture_buffers_around, hook_type.AROUND)
+    registry.register(f"{MLA_POOL}._create_buffers", mla_create_buffers_around, hook_type.AROUND)
     registry.register(f"{SCHEDULER}.__init__", scheduler_init_after, hook_type.AFTER)
     registry.register(f"{SCHEDULER}.get_next_batch_to_run", get_next_batch_before, hook_type.BEFORE)
     registry.register(f"{SCHEDULER}.get_internal_state", get_internal_state_after, hook_type.AFTER)

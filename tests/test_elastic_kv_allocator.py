@@ -253,6 +253,34 @@ else:
         assert kv.counters.grows == 2 and kv.counters.shrinks == 1
         sglang_leak_check(kv, sched)
 
+    @pytest.mark.parametrize("page_size", [1, 4])
+    def test_mla_latent_pool_grows_and_shrinks(page_size):
+        """An MLA pool (DeepSeek-V2/V3: one latent buffer of kv_lora_rank + rope dims per layer) under the same
+        allocator: bytes per token from its latent buffers, grows, shrinks around held slots, SGLang's checks."""
+        from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+        pool = MLATokenToKVPool(64, page_size=page_size, dtype=torch.bfloat16, kv_lora_rank=16, qk_rope_head_dim=8,
+                                layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+        if page_size == 1:
+            alloc = TokenToKVPoolAllocator(64, torch.bfloat16, "cpu", pool, False)
+        else:
+            alloc = PagedTokenToKVPoolAllocator(64, page_size, torch.bfloat16, "cpu", pool, False)
+        bpt = LAYERS * (16 + 8) * 2
+        assert host_bytes_per_token(pool) == bpt
+        kv = ElasticKVCache(pool, alloc, capacity_tokens=32, max_tokens=64, min_tokens=8,
+                            backing=HostKVBacking(bpt, 32))
+        tree = RadixCache.create_simulated(mock_allocator=alloc, page_size=page_size)
+        sched = fake_scheduler(alloc, tree, 32)
+        kv.bind_scheduler(sched)
+        assert kv.bytes_per_token == bpt and alloc.available_size() == 32
+        assert kv.grow(16 * bpt) == 16 and kv.capacity_tokens == 48
+        held = alloc.alloc(40)
+        assert kv.shrink(10**9) == 8 * bpt and kv.capacity_tokens == 40  # stops above the held slots
+        sglang_leak_check(kv, sched, held_by_requests=40)
+        alloc.free(held)
+        assert kv.shrink(10**9) == 32 * bpt and kv.capacity_tokens == 8
+        sglang_leak_check(kv, sched)
+
     def test_refuses_an_allocator_that_is_not_empty_or_not_elastic():
         pool = MHATokenToKVPool(16, page_size=1, dtype=torch.bfloat16, head_num=HEADS, head_dim=DIM,
                                 layer_num=LAYERS, device="cpu", enable_memory_saver=False)

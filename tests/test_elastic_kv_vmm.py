@@ -131,16 +131,17 @@ else:
         monkeypatch.setattr(vmm, "_drv", fake)
         return fake
 
-    def make_owner(pool):
+    def make_owner(pool, descs=None):
         """An ElasticKvVmmBufferOwner laid out like SGLang's (granule-aligned buffers with VA slack between),
-        without the CUDA MemPool: its chunk mapping is what is under test."""
+        without the CUDA MemPool: its chunk mapping is what is under test. `descs`: the buffers (default the MHA
+        pool's K and V buffers)."""
         cls = elastic_vmm_owner_class()
         owner = cls.__new__(cls)
         owner.device, owner.device_id, owner.page_size = "cuda:0", 0, pool.page_size
         owner._arena = SimpleNamespace(granularity=GRAN, base=BASE, _prop=None, _access=None, close=lambda: None)
         owner._device_ctx = nullcontext
         specs, offset = [], 0
-        for desc in pool._build_kv_buffer_descs():
+        for desc in descs if descs is not None else pool._build_kv_buffer_descs():
             span = desc.reserved_span_bytes(pool.store_dtype.itemsize)
             aligned = vmm.align_up(span, GRAN)
             specs.append(vmm._BufferSpec(desc, offset, span, aligned))
@@ -153,8 +154,11 @@ else:
         # 2047 tokens + the padded slot = 2048 rows = 16 granules per buffer.
         pool = MHATokenToKVPool(max_tokens, page_size=1, dtype=torch.bfloat16, head_num=HEADS, head_dim=DIM,
                                 layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+        return elastic_over(pool, make_owner(pool), max_tokens, capacity, min_tokens)
+
+    def elastic_over(pool, owner, max_tokens, capacity, min_tokens):
+        """The elastic cache over `pool`'s buffers in `owner`, with fences the test completes by hand."""
         alloc = TokenToKVPoolAllocator(max_tokens, torch.bfloat16, "cpu", pool, False)
-        owner = make_owner(pool)
         fences: list[Fence] = []
 
         def fence(stream):
@@ -240,3 +244,83 @@ else:
         owner.close()
         assert driver.mapped == {} and driver.handles == {}
         assert fences[0].done, "close waited for the pending fence before unmapping"
+
+    # -- MLA latent pools (DeepSeek-V2/V3): one buffer per layer -------------------------------------------
+
+    MLA_RANK, MLA_ROPE = 24, 8  # kv_cache_dim 32, bf16: 64 B per token per layer, one granule = 64 tokens
+
+    def make_mla(driver, max_tokens=2047, capacity=511, min_tokens=127):
+        from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+        from pagedweight.patches import kv_cache
+
+        pool = MLATokenToKVPool(max_tokens, page_size=1, dtype=torch.bfloat16, kv_lora_rank=MLA_RANK,
+                                qk_rope_head_dim=MLA_ROPE, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+        return elastic_over(pool, make_owner(pool, kv_cache._mla_buffer_descs(pool)), max_tokens, capacity, min_tokens)
+
+    def test_mla_buffer_descs_are_the_latent_buffers_as_sglang_shapes_them():
+        from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+        from pagedweight.patches import kv_cache
+
+        pool = MLATokenToKVPool(100, page_size=4, dtype=torch.bfloat16, kv_lora_rank=MLA_RANK, qk_rope_head_dim=MLA_ROPE,
+                                layer_num=3, device="cpu", enable_memory_saver=False)
+        descs = kv_cache._mla_buffer_descs(pool)
+        assert [d.name for d in descs] == ["kv0", "kv1", "kv2"]
+        for d, buf in zip(descs, pool.kv_buffer):
+            assert d.shape == tuple(buf.shape) == (104, 1, MLA_RANK + MLA_ROPE)
+            assert d.row_bytes == (MLA_RANK + MLA_ROPE) * 2 and d.tokens_per_row == 1
+            assert d.reserved_span_bytes(2) == buf.numel() * buf.element_size()
+
+    def test_mla_pool_maps_the_usable_prefix_and_unmaps_a_shrink_after_its_fence(driver):
+        kv, alloc, owner, fences = make_mla(driver)
+        row = (MLA_RANK + MLA_ROPE) * 2
+        assert kv.bytes_per_token == LAYERS * row and alloc.available_size() == 511
+        per_buffer = -(-(511 + 1) * row // GRAN) * GRAN  # 512 rows of 64 B = 8 granules per layer buffer
+        assert driver.mapped_bytes() == LAYERS * per_buffer == kv.backing.mapped_bytes()
+        assert kv.grow(10**9) == 2047 - 511
+        assert driver.mapped_bytes() == LAYERS * 32 * GRAN  # every latent buffer mapped in full
+        held = alloc.alloc(100)
+        assert kv.shrink(10**9) == 0 and kv.capacity_tokens == 127  # slots 1..100: the granule of 64..127 stays
+        assert driver.unmaps == 0, "nothing is unmapped before the fence"
+        fences[-1].done = True
+        assert kv.poll() == LAYERS * (32 - 2) * GRAN
+        assert driver.mapped_bytes() == LAYERS * 2 * GRAN
+        alloc.free(held)
+
+    def test_mla_create_buffers_hook_puts_the_latent_buffers_in_the_reservation(monkeypatch):
+        """MLATokenToKVPool._create_buffers inside an elastic sizing on CUDA: the pool's kv_buffer are the owner's
+        tensors (one per layer, as described); a subclass (FP4, DSA) and a fixed sizing keep SGLang's buffers."""
+        from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, MLATokenToKVPoolFP4
+
+        from pagedweight.patches import kv_cache
+
+        seen = {}
+
+        def fake_owner(pool, descs):
+            seen["descs"] = descs
+            return SimpleNamespace(tensors=[f"t{i}" for i in range(len(descs))])
+
+        monkeypatch.setattr(kv_cache, "_vmm_owner", fake_owner)
+
+        def bare(cls):
+            pool = cls.__new__(cls)
+            pool.size, pool.page_size, pool.kv_cache_dim, pool.layer_num = 1000, 1, 32, 3
+            pool.store_dtype, pool.device, pool.custom_mem_pool = torch.bfloat16, "cuda:0", None
+            return pool
+
+        built = []
+        original = lambda p: built.append(p)  # noqa: E731  (SGLang's own _create_buffers)
+        token = kv_cache._SIZING.set(kv_cache._Sizing(None, 512, "cuda:0"))
+        try:
+            pool = bare(MLATokenToKVPool)
+            kv_cache.mla_create_buffers_around(original, pool)
+            assert pool.kv_buffer == ["t0", "t1", "t2"] and not built
+            assert [d.shape for d in seen["descs"]] == [(1001, 1, 32)] * 3
+            kv_cache.mla_create_buffers_around(original, bare(MLATokenToKVPoolFP4))
+            assert len(built) == 1
+            kv_cache._SIZING.get().fixed_reason = "a DSA model"
+            kv_cache.mla_create_buffers_around(original, bare(MLATokenToKVPool))
+            assert len(built) == 2
+        finally:
+            kv_cache._SIZING.reset(token)

@@ -1,6 +1,7 @@
-"""A KV pool the elastic cache does not take (MLA latent, hybrid sliding-window, Mamba; issue #23): the hooks keep
-SGLang's pool as it is and say so in one line, and the server runs the static policy, instead of dying after
-model load. (Stock SGLang's CPU backend cannot run an MLA model, so this is checked on the hooks themselves.)"""
+"""A KV pool the elastic cache does not take (hybrid sliding-window, Mamba, and the DSA / FP4 variants of the MLA
+pool; issue #23): the hooks keep SGLang's pool as it is and say so in one line, and the server runs the static
+policy, instead of dying after model load. A plain MLA latent pool (DeepSeek-V2/V3) is sized elastic. (Stock
+SGLang's CPU backend cannot run an MLA model, so this is checked on the hooks themselves.)"""
 
 from __future__ import annotations
 
@@ -26,7 +27,11 @@ def _model_runner():
     return SimpleNamespace(server_args=server_args, is_draft_worker=False, device="cuda", max_total_num_tokens=4096)
 
 
-@pytest.mark.parametrize("kind,word", [(dict(use_mla_backend=True), "MLA latent"),
+DSA_CONFIG = SimpleNamespace(architectures=["DeepseekV32ForCausalLM"], index_topk=2048)
+
+
+@pytest.mark.parametrize("kind,word", [(dict(use_mla_backend=True, model_config=SimpleNamespace(hf_config=DSA_CONFIG)),
+                                        "DSA (sparse-attention MLA)"),
                                        (dict(is_hybrid_swa=True), "hybrid sliding-window"),
                                        (dict(mambaish_config=object()), "Mamba")])
 def test_a_pool_kind_the_cache_does_not_take_is_kept_fixed(kind, word, monkeypatch, caplog):
@@ -50,12 +55,18 @@ def test_a_pool_kind_the_cache_does_not_take_is_kept_fixed(kind, word, monkeypat
     assert kv_cache.sizing_in_progress() is None  # reset when the call returned
 
 
-def test_a_plain_pool_is_still_sized_elastic(monkeypatch):
-    """The MHA case keeps asking SGLang for capacity + extra tokens (what the fixed path must not change)."""
+MLA_CONFIG = SimpleNamespace(architectures=["DeepseekV2ForCausalLM"])
+
+
+@pytest.mark.parametrize("kind", [dict(), dict(use_mla_backend=True, model_config=SimpleNamespace(hf_config=MLA_CONFIG))],
+                         ids=["mha", "mla"])
+def test_a_plain_pool_is_still_sized_elastic(kind, monkeypatch):
+    """The MHA case and a plain MLA latent pool (DeepSeek-V2) ask SGLang for capacity + extra tokens (what the fixed
+    path must not change)."""
     monkeypatch.setenv(kv_cache.EXTRA_TOKENS_ENV, "512")
     sizing = kv_cache._Sizing(None, 512, "cpu")
     token = kv_cache._SIZING.set(sizing)  # inside an alloc_memory_pool call
-    cfg = _configurator()
+    cfg = _configurator(**kind)
     cfg.pool_page_size = 16
     monkeypatch.setattr("sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator",
                         lambda c: SimpleNamespace(_cell_size=1024))

@@ -74,7 +74,7 @@ class ElasticKVState:
 
 
 class ElasticKVCache:
-    """Grow/shrink the usable part of one SGLang MHA KV pool and its (token or paged) allocator."""
+    """Grow/shrink the usable part of one SGLang MHA or MLA KV pool and its (token or paged) allocator."""
 
     def __init__(
         self,

@@ -252,7 +252,7 @@ def _cuda_event_fence(device_id: int) -> Callable[[Any], Any]:
 
 
 class VmmKVBacking:
-    """Backing of an MHA pool whose buffers an `ElasticKvVmmBufferOwner` maps in fixed chunks."""
+    """Backing of an MHA or MLA pool whose buffers an `ElasticKvVmmBufferOwner` maps in fixed chunks."""
 
     def __init__(self, owner: Any, page_size: int, fence: Optional[Callable[[Any], Any]] = None) -> None:
         self.owner = owner
@@ -338,19 +338,26 @@ class VmmKVBacking:
         self._pending = []
 
 
+def kv_buffers(pool: Any) -> list:
+    """The per-layer buffers an elastic pool grows and shrinks: an MHA pool's K and V buffers, or an MLA pool's
+    latent buffers (`kv_buffer`, one per layer)."""
+    if getattr(pool, "k_buffer", None) and getattr(pool, "v_buffer", None):
+        return [*pool.k_buffer, *pool.v_buffer]
+    if getattr(pool, "kv_buffer", None):
+        return list(pool.kv_buffer)
+    raise TypeError(f"KV pool {type(pool).__name__} has neither K/V buffers nor MLA latent buffers: only MHA and "
+                    "MLA pools are elastic")
+
+
 def host_bytes_per_token(pool: Any) -> int:
-    """Bytes one token slot takes across every K and V buffer of an MHA pool (exact, from the tensors)."""
+    """Bytes one token slot takes across every buffer of an MHA or MLA pool (exact, from the tensors)."""
     total = 0
-    for name in ("k_buffer", "v_buffer"):
-        bufs = getattr(pool, name, None)
-        if not bufs:
-            raise TypeError(f"KV pool {type(pool).__name__} has no {name}: only MHA pools are elastic")
-        for b in bufs:
-            slots = pool.size + pool.page_size
-            nbytes = b.numel() * b.element_size()
-            if nbytes % slots:
-                raise TypeError(f"KV buffer of {nbytes} B is not a whole number of {slots} token slots")
-            total += nbytes // slots
+    slots = pool.size + pool.page_size
+    for b in kv_buffers(pool):
+        nbytes = b.numel() * b.element_size()
+        if nbytes % slots:
+            raise TypeError(f"KV buffer of {nbytes} B is not a whole number of {slots} token slots")
+        total += nbytes // slots
     return total
 
 
