@@ -10,9 +10,17 @@ models (pagedweight/serving/dummy_weights.py). A stock run then routes like the 
 with: SGLang's U(-1e-3, 1e-3) norms leave router logits of ~1e-5, and where a model adds a score-correction bias
 of the same dummy size (GLM-4.5, DeepSeek-V3) the bias alone picks the experts, the same few for every token, so
 stock would read a fraction of the expert bytes the PagedWeight run reads.
+
+`--warmup-every-batch` (also this wrapper's): SGLang warms up at the first batch size only, so the first prefill at
+every other size pays for compiling that size's kernels (Triton, NVRTC, autotuning) inside its timed latency. With
+the flag, each (batch size, input length) of the sweep first runs once untimed (8 output tokens) and then timed, so
+prefill latencies compare across systems at every batch size.
 """
 
+import inspect
 import sys
+
+WARMUP_OUTPUT_LEN = 8
 
 
 def install_unit_norms() -> None:
@@ -33,6 +41,32 @@ def install_unit_norms() -> None:
     ModelRunner.load_model = load_model_with_unit_norms
 
 
+def install_warmup_every_batch() -> None:
+    from sglang.benchmark import one_batch
+
+    run_once = one_batch.latency_test_run_once
+    signature = inspect.signature(run_once)
+    warmed: set[tuple[int, int]] = set()
+
+    def run_once_after_a_warmup(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        key = (bound.arguments["batch_size"], bound.arguments["input_len"])
+        if warmed and key not in warmed:  # the first call is SGLang's own warmup, at the first size
+            bound.arguments["rank_print"](f"bench_one_batch: --warmup-every-batch: untimed run at batch size {key[0]}, "
+                                          f"input length {key[1]}")
+            warm = signature.bind(*args, **kwargs)
+            warm.arguments.update(
+                reqs=one_batch.prepare_synthetic_inputs_for_latency_test(*key),
+                output_len=min(WARMUP_OUTPUT_LEN, bound.arguments["output_len"]),
+                rank_print=lambda *a, **k: None, log_decode_step=0, profile=False,
+            )
+            run_once(*warm.args, **warm.kwargs)
+        warmed.add(key)
+        return run_once(*bound.args, **bound.kwargs)
+
+    one_batch.latency_test_run_once = run_once_after_a_warmup
+
+
 if __name__ == "__main__":
     from sglang.srt.plugins import load_plugins
 
@@ -40,6 +74,9 @@ if __name__ == "__main__":
     if "--dummy-unit-norms" in sys.argv:
         sys.argv.remove("--dummy-unit-norms")
         install_unit_norms()
+    if "--warmup-every-batch" in sys.argv:
+        sys.argv.remove("--warmup-every-batch")
+        install_warmup_every_batch()
 
     from sglang.benchmark.one_batch import cli_main
 

@@ -34,6 +34,15 @@ CONFIGS = {
         "tie_word_embeddings": False, "sliding_window": None, "router_aux_loss_coef": 0.02,
         "attention_dropout": 0.0, "initializer_range": 0.02,
     },
+    "qwen3moe": {  # Qwen3-30B-A3B: 128 experts top-8 of 768, 32 query / 4 KV heads of 128, QK norm, no shared expert
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "num_hidden_layers": 48, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+        "hidden_act": "silu", "torch_dtype": "bfloat16", "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None, "max_window_layers": 48,
+        "attention_bias": False, "attention_dropout": 0.0, "router_aux_loss_coef": 0.001, "initializer_range": 0.02,
+    },
     "deepseek_v2_lite": {  # DeepSeek-V2-Lite: MLA (kv_lora_rank 512), 64 routed experts top-6 + 2 shared, first layer dense
         "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 2048,
         "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,

@@ -38,6 +38,12 @@
 #                                           # alike) vs PagedWeight 4-bit experts (OBB_BATCHES, OBB_INPUT, OBB_OUTPUT,
 #                                           # OBB_STOCK=0 / OBB_AP=0 skip a side); MODELS_PRESSURE="glm45_air:12" adds
 #                                           # a KV-pressure burst per model, PagedWeight alone, server logs kept
+#   bash benchmark/gpu_session.sh e2e       # issues #18 / #19 end to end: per model (E2E_MODELS="qwen15moe mixtral:16 qwen3moe",
+#                                           # name[:layers], one or two per call: ~6 min a model) bench_one_batch --batch-size
+#                                           # 1 4 16 64 --input-len 2048 --output-len 64, every size warmed up first, for stock
+#                                           # bf16, stock --quantization fp8 (unit RMSNorm as PagedWeight sets them), PagedWeight
+#                                           # 4-bit experts and 4-bit scope all (E2E_SYSTEMS), then benchmark/summarize_e2e.py
+#                                           # into $OUT/e2e_decode.json (docs/results/e2e_decode.json's headline keys)
 #   bash benchmark/gpu_session.sh longbench # MoEfied SmolLM2 rebuilt from /tmp/sc (carried pieces), LongBench-format
 #                                           # work at one budget: stock bf16 vs uniform AP vs PagedWeight
 # Writes everything under $OUT (default out/gpu).
@@ -252,6 +258,34 @@ if [ "$stage" = models ]; then
     grep -h -B2 -A12 -E "Traceback|CUDA error|illegal" "$OUT"/logs/*.log 2>/dev/null | tail -60
     tar czf "$OUT/pressure_${name}_logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
   done
+fi
+if [ "$stage" = e2e ]; then
+  # results gather in E2E_DIR (kept on a warm machine across calls: one model per call, its four systems together)
+  e2e_dir=${E2E_DIR:-/tmp/e2e}; mkdir -p "$e2e_dir"
+  for spec in ${E2E_MODELS:-qwen15moe}; do
+    name=${spec%%:*}; layers=${spec#*:}; [ "$layers" = "$spec" ] && layers=""
+    tag=$name${layers:+_${layers}l}; model=/tmp/$tag-dummy
+    python3 benchmark/dummy_model.py --model "$name" ${layers:+--num-layers "$layers"} --out $model >/dev/null
+    common=(--model-path $model --load-format dummy --attention-backend triton --sampling-backend pytorch)
+    read -r -a batches <<<"${E2E_BATCHES:-1 4 16 64}"
+    bench=(--batch-size "${batches[@]}" --input-len 2048 --output-len 64 --cuda-graph-max-bs 64
+           --mem-fraction-static "${E2E_MEM_FRACTION:-0.8}" --warmup-every-batch)
+    for sys in ${E2E_SYSTEMS:-bf16 fp8 ap4 ap4_all}; do
+      case $sys in
+        bf16) extra=(--dummy-unit-norms) ;;
+        fp8) extra=(--dummy-unit-norms --quantization fp8) ;;
+        ap4) extra=(--enable-paged-weight --paged-weight-bits 4) ;;
+        ap4_all) extra=(--enable-paged-weight --paged-weight-bits 4 --paged-weight-scope all) ;;
+        *) echo "unknown E2E system $sys (bf16 fp8 ap4 ap4_all)"; exit 2 ;;
+      esac
+      timeout "${E2E_TIMEOUT:-240}" python3 benchmark/bench_one_batch.py "${common[@]}" "${bench[@]}" "${extra[@]}" \
+        --result-filename "$e2e_dir/e2e_${tag}_${sys}.jsonl" >"$e2e_dir/e2e_${tag}_${sys}.log" 2>&1
+      echo "== $tag $sys rc=$?"; grep -E "^Decode\.  median|^Prefill\. latency|Error" "$e2e_dir/e2e_${tag}_${sys}.log" | tail -8
+    done
+  done
+  cp "$e2e_dir"/e2e_* "$OUT"/
+  python3 benchmark/summarize_e2e.py --dir "$e2e_dir" --merge docs/results/e2e_decode.json --out "$OUT/e2e_decode.json" \
+    --meta "{\"commit\": \"$(git rev-parse --short HEAD 2>/dev/null || echo unknown)\", \"models\": \"${E2E_MODELS:-qwen15moe}\"}"
 fi
 if [ "$stage" = pressure ]; then
   model=/tmp/qwen15moe-dummy

@@ -157,7 +157,8 @@ def _load_script(name: str):
 
 @pytest.mark.parametrize("name,model_type,experts_key", [
     ("deepseek_v2_lite", "deepseek_v2", "n_routed_experts"), ("glm45_air", "glm4_moe", "n_routed_experts"),
-    ("qwen15moe", "qwen2_moe", "num_experts"), ("mixtral", "mixtral", "num_local_experts")])
+    ("qwen15moe", "qwen2_moe", "num_experts"), ("mixtral", "mixtral", "num_local_experts"),
+    ("qwen3moe", "qwen3_moe", "num_experts")])
 def test_dummy_models_load_as_their_transformers_config(name, model_type, experts_key, tmp_path):
     """Each config-only model dir is what transformers (and so SGLang's dummy loader) reads: the family, the
     expert count, and the layer override for runs that cut the model down."""
@@ -209,3 +210,69 @@ def test_bench_one_batch_unit_norms_for_a_stock_dummy_run(monkeypatch):
     runner.server_args.load_format = "auto"
     with pytest.raises(SystemExit, match="--load-format dummy"):
         model_runner.ModelRunner.load_model(runner)
+
+
+def test_bench_one_batch_warms_up_every_batch_size(monkeypatch):
+    """--warmup-every-batch: SGLang's warmup covers the first size; every other (batch size, input length) of the sweep
+    runs once untimed (fresh requests, 8 output tokens, nothing printed) right before its timed run, whose result is
+    the one returned."""
+    from sglang.benchmark import one_batch
+
+    calls = []
+
+    def fake_run_once(run_name, model_runner, rank_print, reqs, batch_size, input_len, output_len, log_decode_step,
+                      profile, profile_record_shapes, profile_activities, profile_prefix, profile_stage, tp_rank,
+                      profile_start_step=None, profile_steps=None):
+        calls.append((batch_size, input_len, output_len, reqs, rank_print == printed.append, profile))
+        return {"batch_size": batch_size, "output_len": output_len}
+
+    printed = []
+    monkeypatch.setattr(one_batch, "latency_test_run_once", fake_run_once)
+    monkeypatch.setattr(one_batch, "prepare_synthetic_inputs_for_latency_test", lambda bs, il: f"warm-{bs}-{il}")
+    _load_script("bench_one_batch").install_warmup_every_batch()
+    run = one_batch.latency_test_run_once
+    run("r", None, printed.append, "w", 1, 2048, 32, log_decode_step=0, profile=False, profile_record_shapes=False,
+        profile_activities=("CPU",), profile_prefix="", profile_stage="all", tp_rank=0)  # SGLang's warmup
+    results = [run("r", None, printed.append, f"timed-{bs}", bs, 2048, 64, 5, True, False, ("CPU",), "", "all", 0)
+               for bs in (1, 16, 16)]
+    assert [c[:3] for c in calls] == [(1, 2048, 32), (1, 2048, 64), (16, 2048, 8), (16, 2048, 64), (16, 2048, 64)]
+    assert calls[2][3] == "warm-16-2048" and not calls[2][4] and calls[2][5] is False  # fresh, silent, unprofiled
+    assert calls[3][3] == "timed-16" and calls[3][4] and calls[3][5] is True
+    assert [r["output_len"] for r in results] == [64, 64, 64]
+    assert printed == ["bench_one_batch: --warmup-every-batch: untimed run at batch size 16, input length 2048"]
+
+
+
+def test_summarize_e2e_writes_the_issue_headline_keys(tmp_path, monkeypatch, capsys):
+    """summarize_e2e.py: per model and batch, decode throughput of PagedWeight over stock fp8 / bf16 (both scopes) and
+    stock's prefill time over PagedWeight's; a model missing a system has no entry there; merged keys survive."""
+    import json
+    import sys
+
+    def write(model, system, rows):
+        lines = [json.dumps({"batch_size": bs, "median_decode_throughput": dec, "prefill_latency": pre})
+                 for bs, dec, pre in rows]
+        (tmp_path / f"e2e_{model}_{system}.jsonl").write_text("\n".join(lines) + "\n")
+
+    write("qwen15moe", "bf16", [(1, 200.0, 0.030), (16, 1400.0, 0.40)])
+    write("qwen15moe", "fp8", [(1, 250.0, 0.020), (16, 1600.0, 0.25)])
+    write("qwen15moe", "ap4", [(1, 300.0, 0.040), (16, 1760.0, 0.50)])
+    write("qwen15moe", "ap4_all", [(1, 320.0, 0.045)])
+    write("mixtral_16l", "bf16", [(1, 100.0, 0.050)])
+    write("mixtral_16l", "ap4", [(1, 150.0, 0.040)])
+    old = tmp_path / "e2e_decode.json"
+    old.write_text(json.dumps({"meta": {"session": 8}, "cases": [1, 2]}))
+    out = tmp_path / "out.json"
+    monkeypatch.setattr(sys, "argv", ["summarize_e2e.py", "--dir", str(tmp_path), "--out", str(out), "--merge", str(old),
+                                      "--meta", '{"session": 27}'])
+    _load_script("summarize_e2e").main()
+    doc = json.loads(out.read_text())
+    h = doc["headline"]
+    assert h["decode_ratio_vs_stock_fp8"] == {"qwen15moe": {"1": 1.2, "16": 1.1}}
+    assert h["decode_ratio_vs_stock_fp8_scope_all"] == {"qwen15moe": {"1": 1.28}}
+    assert h["decode_ratio_vs_stock_bf16"] == {"qwen15moe": {"1": 1.5, "16": 1.257}, "mixtral_16l": {"1": 1.5}}
+    assert h["prefill_ratio_vs_stock_bf16"] == {"qwen15moe": {"1": 0.75, "16": 0.8}, "mixtral_16l": {"1": 1.25}}
+    assert h["prefill_ratio_vs_stock_fp8"] == {"qwen15moe": {"1": 0.5, "16": 0.5}}
+    assert doc["meta"] == {"session": 8} and doc["cases"] == [1, 2] and doc["headline_meta"] == {"session": 27}
+    assert [r["batch_size"] for r in doc["e2e_runs"]["qwen15moe"]["ap4"]] == [1, 16]
+    assert "| qwen15moe | 16 | 1400.0 / 1600.0 / 1760.0 / - | 1.1 |" in capsys.readouterr().out
