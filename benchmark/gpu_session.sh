@@ -58,7 +58,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 if [ "$stage" = tests ]; then
   # GPU correctness only: runtime (VMM arena, pager, copy stream), kernels, and two TP processes on one GPU.
   timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_tp_sync.py tests/test_runtime_*.py \
-    tests/test_kernel_*.py tests/test_elastic_kv_streams.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
+    tests/test_kernel_*.py tests/test_elastic_kv_streams.py tests/test_elastic_kv_mla_gpu.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
 fi
 
 if [ "$stage" = kernels ]; then
