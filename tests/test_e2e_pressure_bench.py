@@ -44,11 +44,10 @@ def test_pressure_bench_cpu(ap_qwen2_moe, tiny_qwen2_moe, server_env, cpu_server
     assert not poison.get("error") and not bf16.get("error")
     assert [r["completed"] for r in poison["rounds"]] == [6, 6] and bf16["rounds"][0]["completed"] == 6
     assert all(q["reload_s"] is not None for q in poison["quiets"])  # back to 8 bits after each burst
-    tl = poison["timeline"]
-    start_cap = poison["kv_capacity_tokens_start"]
-    assert max(s["token_capacity"] for s in tl) > start_cap
-    assert min(s["mean_bits"] for s in tl) < 8.0
-    assert tl[-1]["mean_bits"] == 8.0
+    # bits went down and KV grew by the server's own counters (the sampled timeline can miss a short window)
+    assert poison["pager_counters"]["offloads_committed"] > 0 and poison["pager_counters"]["bytes_to_kv"] > 0
+    assert poison["elastic_kv_end"]["counters"]["tokens_grown"] > 0
+    assert poison["timeline"][-1]["mean_bits"] == 8.0
     assert (out.with_suffix(".md")).read_text().count("| pagedweight_poison |") == 1
 
 
@@ -75,6 +74,8 @@ def test_pressure_bench_cpu_glm4_moe(server_env, cpu_server_flags, work_dir, tmp
     assert doc["headline"]["oom"] == 0 and doc["headline"]["poison_nan"] == 0 and doc["headline"]["transitions"] > 0
     assert [r["completed"] for r in poison["rounds"]] == [6, 6]
     assert all(q["reload_s"] is not None for q in poison["quiets"])
-    tl = poison["timeline"]
-    assert max(s["token_capacity"] for s in tl) > poison["kv_capacity_tokens_start"]
-    assert min(s["mean_bits"] for s in tl) < 8.0 and tl[-1]["mean_bits"] == 8.0
+    # bits went down and the KV cache grew, by the server's own counters (the timeline samples /server_info every
+    # so often and can miss a short grown window on this small burst), and every block ended back at 8 bits
+    assert poison["pager_counters"]["offloads_committed"] > 0 and poison["pager_counters"]["bytes_to_kv"] > 0
+    assert poison["elastic_kv_end"]["counters"]["tokens_grown"] > 0
+    assert poison["timeline"][-1]["mean_bits"] == 8.0
