@@ -440,10 +440,11 @@ def ap_fused_moe_triton(
     max_blocks = align.max_blocks
     kind13 = w13.kernel_kind
     kind2 = w2.kernel_kind
+    act_kind = act_code(activation)
     if cfg13.dequant_chunk > 0:
         _dequantized_moe(x, act, out, w13, w2, tw, topk_ids, align, cfg13, cfg2, num_pairs, topk, kind2,
                          apply_router_weight_on_input=apply_router_weight_on_input, use_asm=use_asm, cd=cd,
-                         sglang_configs=sglang_configs, act_kind=act_code(activation))
+                         sglang_configs=sglang_configs, act_kind=act_kind)
         return out.to(hidden.dtype)
     if cfg13.fuse_gate_up:
         _ap_moe_w13_kernel[(max_blocks, triton.cdiv(inter, cfg13.block_n))](
@@ -451,7 +452,7 @@ def ap_fused_moe_triton(
             num_pairs, topk, inter, w13.K, w13.group_size, x.stride(0), act.stride(0), w13.page_table.stride(0),
             KIND=kind13, KIND2=kind2, APPLY_W_IN=apply_router_weight_on_input, P_MAX=w13.bits_max,
             BM=cfg13.block_m, BN=cfg13.block_n, BK=cfg13.block_k, CD=_TL_DTYPE[cd], USE_ASM=use_asm,
-            DOT_F32=not hidden.is_cuda, PREFETCH=cfg13.prefetch, ACT=act_code(activation),
+            DOT_F32=not hidden.is_cuda, PREFETCH=cfg13.prefetch, ACT=act_kind,
             **cfg13.launch_options(hidden.is_cuda),
         )
     else:
@@ -467,7 +468,7 @@ def ap_fused_moe_triton(
             DOT_F32=not hidden.is_cuda, PREFETCH=cfg13.prefetch, **cfg13.launch_options(hidden.is_cuda),
         )
         _gate_mul_kernel[(num_pairs, triton.cdiv(inter, 1024))](
-            h13, act, inter, h13.stride(0), act.stride(0), KIND2=kind2, BLOCK=1024, ACT=act_code(activation),
+            h13, act, inter, h13.stride(0), act.stride(0), KIND2=kind2, BLOCK=1024, ACT=act_kind,
             num_warps=4,
         )
     _ap_moe_w2_kernel[(max_blocks, triton.cdiv(h, cfg2.block_n), cfg2.split_k)](

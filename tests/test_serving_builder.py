@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from pagedweight.config import PagedWeightConfig
-from pagedweight.serving.builder import SchedulerView, build_serving, build_weights
+from pagedweight.serving.builder import SchedulerView, build_serving, build_weights, kv_bytes_per_token
 from tests.support.random_stores import random_layer_stores
 
 
@@ -75,3 +77,16 @@ def test_tp_needs_the_ledger_the_weights_were_built_with():
                                tp_world_size=2)
     assert tp_runtime.ledger is not None and not tp_runtime.ledger.started  # numbers nothing until serving
     assert tp_runtime.ledger.recorded == 0
+
+
+def test_kv_bytes_per_token_of_each_pool_kind():
+    """One token's bytes across an MHA pool's K and V buffers, an MLA pool's latent buffers, and both halves of a
+    hybrid sliding-window pool; a pool with neither is refused in one line."""
+    mha = SimpleNamespace(k_buffer=[torch.zeros(9, 2, 8, dtype=torch.bfloat16)] * 3,
+                          v_buffer=[torch.zeros(9, 2, 8, dtype=torch.bfloat16)] * 3)
+    mla = SimpleNamespace(kv_buffer=[torch.zeros(9, 1, 24, dtype=torch.bfloat16)] * 2)
+    assert kv_bytes_per_token(mha) == 6 * 2 * 8 * 2
+    assert kv_bytes_per_token(mla) == 2 * 24 * 2
+    assert kv_bytes_per_token(SimpleNamespace(full_kv_pool=mha, swa_kv_pool=mla)) == 192 + 96
+    with pytest.raises(RuntimeError, match="cannot measure bytes per token of KV pool SimpleNamespace"):
+        kv_bytes_per_token(SimpleNamespace())

@@ -141,13 +141,10 @@ def kv_bytes_per_token(kv_cache: Any) -> int:
     parts = [getattr(kv_cache, name, None) for name in ("full_kv_pool", "swa_kv_pool")]
     if all(part is not None for part in parts):
         return sum(kv_bytes_per_token(part) for part in parts)
-    total = 0
-    for name in ("k_buffer", "v_buffer", "kv_buffer"):
-        bufs = getattr(kv_cache, name, None)
-        if bufs is None:
-            continue
-        for b in bufs:
-            total += b[0].numel() * b.element_size()
-    if total == 0:
-        raise RuntimeError(f"cannot measure bytes per token of KV pool {type(kv_cache).__name__}")
-    return total
+    from pagedweight.kvcache.elastic_kv_backing import kv_buffers
+
+    try:
+        bufs = kv_buffers(kv_cache)
+    except TypeError as e:
+        raise RuntimeError(f"cannot measure bytes per token of KV pool {type(kv_cache).__name__}: {e}") from None
+    return sum(b[0].numel() * b.element_size() for b in bufs)

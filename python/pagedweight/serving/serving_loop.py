@@ -94,8 +94,9 @@ class PagedWeightScheduler:
         if inputs.routing is not None:
             self.controller.policy.refresh(self.runtime.table, obs)  # e.g. the quality policy re-ranks its queue
         kv = self.controller.kv
-        if kv is not None and self.forward_stream is not None:
-            # the scheduler's own stream (its schedule stream): the elastic cache edits the free lists there
+        if kv is not None and self.forward_stream is not None and kv.allocator_stream is None:
+            # the scheduler's own stream (its schedule stream, the same for the loop's life): the elastic cache
+            # edits the free lists there
             kv.allocator_stream = torch.cuda.current_stream(self.forward_stream.device)
         ctx = torch.cuda.stream(self.forward_stream) if self.forward_stream is not None else nullcontext()
         with ctx:
