@@ -50,6 +50,7 @@ MAX_EXTRA_ATTR = "_paged_weight_max_extra_kv_bytes"  # optional override the run
 KV_ATTR = "_paged_weight_kv"
 STATE_KEY = "paged_weight_kv"
 RESIZE_KEY = "paged_weight_kv_capacity_tokens"  # SetInternalStateReq takes numeric values only
+SWA_SUBPOOL_LABEL = "SWA"  # SWAKVPool's allocation_label of its sliding-window sub-pool (the full one is "Full")
 
 
 class ElasticKVSetupError(RuntimeError):
@@ -145,7 +146,7 @@ def _install(model_runner: Any, sizing: _Sizing) -> None:
     from pagedweight.kvcache.elastic_kv import ElasticKVCache
     from pagedweight.kvcache.elastic_kv_backing import make_backing
 
-    pool = model_runner.token_to_kv_pool
+    pool = elastic_part(model_runner.token_to_kv_pool)
     if sizing.device.startswith("cuda") and sizing.owner is None:
         raise ElasticKVSetupError(
             f"elastic KV on CUDA needs a VMM-backed MHA or MLA pool; {type(pool).__name__} was built without it"
@@ -166,10 +167,27 @@ def _install(model_runner: Any, sizing: _Sizing) -> None:
         backing.grow_to(sizing.capacity_tokens)  # no post-capture finalize will map it: map the capacity now
     kv.bind_model_runner(model_runner)
     setattr(model_runner, KV_ATTR, kv)
+    swa = getattr(model_runner.token_to_kv_pool, "swa_kv_pool", None)
     logger.info(
-        "PagedWeight elastic KV: %d tokens usable of %d (+%d parked), %d B/token, backing %s",
+        "PagedWeight elastic KV: %d tokens usable of %d (+%d parked), %d B/token, backing %s%s",
         kv.capacity_tokens, kv.max_tokens, kv.parked_tokens, kv.bytes_per_token, type(backing).__name__,
+        f"; full-attention pool elastic, sliding-window pool fixed at {swa.size} tokens" if swa is not None else "",
     )
+
+
+def elastic_part(pool: Any) -> Any:
+    """The pool the elastic cache grows: the full-attention sub-pool of a hybrid sliding-window pool (SWAKVPool),
+    else the pool itself. The full sub-pool must be SGLang's plain MHATokenToKVPool."""
+    full = getattr(pool, "full_kv_pool", None)
+    if full is None:
+        return pool
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    if type(full) is not MHATokenToKVPool:
+        raise ElasticKVSetupError(
+            f"elastic KV cache grows a hybrid pool's plain MHA full-attention pool; this one is {type(full).__name__}"
+        )
+    return full
 
 
 def resolve_memory_pool_config_around(original, configurator, *args, **kwargs):
@@ -177,23 +195,59 @@ def resolve_memory_pool_config_around(original, configurator, *args, **kwargs):
     sizing = sizing_in_progress()
     if sizing is None or configurator.is_draft_worker:
         return config
-    kind = ("hybrid sliding-window" if configurator.is_hybrid_swa
+    kind = (_swa_variant(configurator) if configurator.is_hybrid_swa
             else "Mamba" if configurator.mambaish_config is not None
             else _mla_variant(configurator) if configurator.use_mla_backend else "")
-    if kind:  # the elastic cache grows and shrinks plain multi-head-attention and MLA latent pools only
+    if kind:  # the elastic cache grows MHA pools, MLA latent pools and the full part of hybrid SWA pools only
         sizing.fixed_reason = f"the elastic KV cache does not take this model's {kind} KV pool yet"
         return config
     from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
 
-    cell = getattr(create_memory_pool_configurator(configurator), "_cell_size", None)
+    pool_configurator = create_memory_pool_configurator(configurator)
+    cell = _full_token_bytes(pool_configurator) if configurator.is_hybrid_swa else getattr(pool_configurator, "_cell_size", None)
     if not cell:
         raise ElasticKVSetupError("cannot read SGLang's KV bytes per token (pool configurator has no cell size)")
     page = configurator.pool_page_size
-    cap = config.max_total_num_tokens // page * page
+    start = config.full_max_total_num_tokens if configurator.is_hybrid_swa else config.max_total_num_tokens
+    cap = int(start) // page * page
     extra = sizing.extra_tokens if sizing.extra_tokens is not None else sizing.extra_bytes // cell
     extra = extra // page * page
     sizing.capacity_tokens, sizing.max_tokens = cap, cap + extra
+    if configurator.is_hybrid_swa:  # the full-attention pool gets the room; the SWA pool keeps SGLang's size
+        return dataclasses.replace(config, max_total_num_tokens=cap + extra, full_max_total_num_tokens=cap + extra)
     return dataclasses.replace(config, max_total_num_tokens=cap + extra)
+
+
+def _full_token_bytes(pool_configurator: Any) -> int:
+    """Bytes one full-attention token takes across the full-attention layers of a hybrid sliding-window model
+    (HybridSWAPoolConfigurator's per-layer size times its full layers): what one more elastic token costs."""
+    per_layer = getattr(pool_configurator, "_full_per_token", None)
+    layers = getattr(pool_configurator, "_full_layers_num", None)
+    if not per_layer or not layers:
+        return 0
+    return int(per_layer) * (int(layers) + int(getattr(pool_configurator, "_draft_full_layers_num", 0) or 0))
+
+
+def _swa_variant(configurator: Any) -> str:
+    """'' when SGLang builds a plain SWAKVPool (full-attention and sliding-window MHATokenToKVPool sub-pools) with
+    SWATokenToKVPoolAllocator for this hybrid sliding-window model, else the kind of pool it builds instead.
+    Gemma-4 sets SGLang's `is_hybrid_swa_compress`, which on CUDA only gives the SWA sub-pool its own head count and
+    dims: still a plain SWAKVPool."""
+    from sglang.srt.configs.model_config import is_deepseek_v4
+    from sglang.srt.runtime_context import get_memory
+
+    model_config = getattr(configurator, "model_config", None)
+    if model_config is not None and is_deepseek_v4(model_config.hf_config):
+        return "DeepSeek-V4 compressed sliding-window"
+    if get_memory().enable_unified_memory:
+        return "unified-memory hybrid sliding-window"
+    if getattr(configurator, "kv_cache_dtype_str", None) == "mxfp8":
+        return "MXFP8 hybrid sliding-window"
+    if model_config is not None and not getattr(model_config, "full_attention_layer_ids", None):
+        return "all-sliding-window"
+    if getattr(configurator, "is_inkling_mtp_draft", False):
+        return "draft hybrid sliding-window"
+    return ""
 
 
 def _mla_variant(configurator: Any) -> str:
@@ -250,9 +304,11 @@ def _vmm_buffers(pool: Any) -> None:
 
 
 def _vmm_wanted(pool: Any) -> bool:
-    """The pool being built belongs to an elastic sizing on CUDA (not a fixed pool's MHA parts)."""
+    """The pool being built belongs to an elastic sizing on CUDA (not a fixed pool's MHA parts, nor the
+    sliding-window sub-pool of a hybrid pool, which keeps its size)."""
     sizing = sizing_in_progress()
-    return sizing is not None and not sizing.fixed_reason and str(pool.device).startswith("cuda")
+    return (sizing is not None and not sizing.fixed_reason and str(pool.device).startswith("cuda")
+            and getattr(pool, "allocation_label", None) != SWA_SUBPOOL_LABEL)
 
 
 def mla_create_buffers_around(original, pool, *args, **kwargs):
@@ -275,7 +331,7 @@ def create_buffers_normal_around(original, pool, *args, **kwargs):
 
 def alloc_post_capture_buffers_around(original, pool, *args, **kwargs):
     sizing = sizing_in_progress()
-    if sizing is None or sizing.fixed_reason:
+    if sizing is None or sizing.fixed_reason or getattr(pool, "allocation_label", None) == SWA_SUBPOOL_LABEL:
         return original(pool, *args, **kwargs)
     _vmm_buffers(pool)
 

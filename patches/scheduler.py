@@ -29,12 +29,13 @@ def init_after(result, scheduler, *args, **kwargs):
     runtime = find_runtime(scheduler.tp_worker.model_runner)
     if runtime is not None:
         kv = getattr(scheduler, "_paged_weight_kv", None)  # set by the elastic KV hooks when present
-        setattr(scheduler, ATTR, build_serving(scheduler_view(scheduler), runtime, kv))
+        setattr(scheduler, ATTR, build_serving(scheduler_view(scheduler, kv), runtime, kv))
     return result
 
 
-def scheduler_view(scheduler):
-    """The builder's view of SGLang's scheduler."""
+def scheduler_view(scheduler, kv=None):
+    """The builder's view of SGLang's scheduler. With an elastic KV cache `kv`, a token costs what one more of its
+    slots costs (for a hybrid sliding-window pool: its full-attention part, the part that grows)."""
     import torch
 
     from pagedweight.serving.builder import SchedulerView, TpView, kv_bytes_per_token
@@ -46,7 +47,8 @@ def scheduler_view(scheduler):
     return SchedulerView(
         page_size=scheduler.page_size,
         max_total_num_tokens=scheduler.max_total_num_tokens,
-        kv_bytes_per_token=kv_bytes_per_token(scheduler.token_to_kv_pool_allocator.get_kvcache()),
+        kv_bytes_per_token=(kv.bytes_per_token if kv is not None
+                            else kv_bytes_per_token(scheduler.token_to_kv_pool_allocator.get_kvcache())),
         load_format=args.load_format,
         model_path=args.model_path,
         enable_metrics=bool(getattr(args, "enable_metrics", False)),

@@ -54,14 +54,13 @@ _GELU_MOE_SHIM = Path(__file__).parent / "support" / "cpu_gelu_moe"
 # SGLang serves Gemma-4 with the triton attention backend only (the interpreter runs it on the CPU engine), and its
 # processor needs image files a text-only test does not have
 _GEMMA4_ENGINE = {"attention_backend": "triton", "enable_multimodal": False}
-_FIXED_KV_LINE = ("PagedWeight: fixed KV pool (the elastic KV cache does not take this model's hybrid sliding-window "
-                  "KV pool yet)")
+_SWA_ELASTIC_LINE = "; full-attention pool elastic, sliding-window pool fixed at "
 
 
 def test_gemma4_parent_matches_stock_and_bits_matter(work_dir, server_env):
     """Gemma-4 MoE (the multimodal `gemma4` checkpoint, experts stored fused, a dense GELU MLP beside GELU-gated
     experts, sliding-window layers): converted at 8 bits and served with --enable-paged-weight, it matches stock
-    SGLang on the bf16 source, starts on SGLang's fixed hybrid sliding-window KV pool with one log line, and its
+    SGLang on the bf16 source, starts with the full-attention part of its hybrid sliding-window KV pool elastic (one log line), and its
     experts really run from the planes (2 bits is measurably worse).
 
     The reference is stock SGLang 0.5.17 with one change: its CPU MoE method asserts SiLU experts, so the reference
@@ -90,6 +89,8 @@ def test_gemma4_parent_matches_stock_and_bits_matter(work_dir, server_env):
     assert len(decided) >= len(ref) // 2
     assert [_argmax(at8[i]) for i in decided] == [_argmax(ref[i]) for i in decided]
     log = log8.read_text()
-    assert sum(_FIXED_KV_LINE in line for line in log.splitlines()) == 1, log[-4000:]
+    elastic = [line for line in log.splitlines() if "PagedWeight elastic KV:" in line and _SWA_ELASTIC_LINE in line]
+    assert len(elastic) == 1, log[-4000:]
+    assert "fixed KV pool" not in log, log[-4000:]
     assert sum("gelu-gated experts on the fused AP MoE kernels" in line for line in log.splitlines()) == 1, log[-4000:]
     assert "Traceback" not in log, log[-4000:]

@@ -14,15 +14,13 @@ subprocess from a plain pytest run.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from contextlib import nullcontext
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.engine_suite import run_suite_in_cpu_engine
+
 IN_ENGINE_ENV = os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
 
 if not IN_ENGINE_ENV:
@@ -33,14 +31,7 @@ if not IN_ENGINE_ENV:
         "benchmark/pressure_bench.py",
     )
     def test_elastic_kv_vmm_suite_in_cpu_engine_env(server_env):
-        env = dict(server_env)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-        r = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
-        )
-        assert r.returncode == 0, f"inner suite failed:\n{r.stdout[-12000:]}\n{r.stderr[-4000:]}"
-        assert " passed" in r.stdout, r.stdout[-2000:]
+        run_suite_in_cpu_engine(__file__, server_env, allow_skips=True)
 
 else:
     import torch

@@ -24,6 +24,13 @@ would read the new free list before the running forward let it be written (garba
 memory access in the next forward). The fence that unmaps a parked tail is recorded on `stream`, the forward
 stream: no forward still in flight may read the chunks it releases.
 
+Hybrid sliding-window pools (SWAKVPool with SWATokenToKVPoolAllocator: Gemma-2/3/4 and the like): `pool` is the
+full-attention sub-pool and only its allocator (`units`) grows and shrinks; the sliding-window sub-pool keeps the
+size SGLang gave it. A sliding-window layer needs at most its window of each running request, so the SWA pool
+bounds how many requests run at once, not how long their contexts get; the full pool bounds the context, and it
+is what the weights' freed bytes buy. The composite allocator's full size and the scheduler's
+`full_tokens_per_layer` copies follow every change, and tail eviction goes through SWARadixCache's own eviction.
+
 `controller.ElasticKV` is implemented by `shrink`; the pager's `on_bytes_freed` is `grow`. With a budget
 attached (`attach_budget`) grows reserve and commit "kv" bytes and releases give them back, in the
 backing's bytes (physical and chunk-rounded on CUDA, `tokens * bytes_per_token` on CPU).
@@ -74,7 +81,9 @@ class ElasticKVState:
 
 
 class ElasticKVCache:
-    """Grow/shrink the usable part of one SGLang MHA or MLA KV pool and its (token or paged) allocator."""
+    """Grow/shrink the usable part of one SGLang MHA or MLA KV pool and its (token or paged) allocator, or the
+    full-attention part of a hybrid sliding-window pool (`pool` is then its full sub-pool, `allocator` SGLang's
+    SWATokenToKVPoolAllocator and `units` the full-attention allocator inside it)."""
 
     def __init__(
         self,
@@ -87,7 +96,8 @@ class ElasticKVCache:
         min_tokens: Optional[int] = None,
     ) -> None:
         self.pool = pool
-        self.allocator = allocator
+        self.allocator = allocator  # what the scheduler holds (the composite one for a hybrid SWA pool)
+        self.units = _units_allocator(allocator)  # whose free lists hold the elastic slots
         self.page_size = int(allocator.page_size)
         self.bytes_per_token = host_bytes_per_token(pool)
         self.backing = backing
@@ -109,13 +119,14 @@ class ElasticKVCache:
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
-        if type(self.allocator) not in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator):
+        plain = (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator)
+        if type(self.units) not in plain:
             raise TypeError(
-                f"elastic KV cache supports SGLang's TokenToKVPoolAllocator and PagedTokenToKVPoolAllocator; "
-                f"this server uses {type(self.allocator).__name__} (hybrid SWA/Mamba, HiSparse and out-of-tree "
-                "allocators are not elastic)"
+                f"elastic KV cache supports SGLang's TokenToKVPoolAllocator and PagedTokenToKVPoolAllocator (alone or "
+                f"as the full-attention part of SWATokenToKVPoolAllocator); this server uses "
+                f"{type(self.allocator).__name__} (Mamba, HiSparse and out-of-tree allocators are not elastic)"
             )
-        if self.allocator.get_kvcache() is not self.pool:
+        if self.units.get_kvcache() is not self.pool:
             raise ValueError("the allocator does not manage this KV pool")
 
     def _set_limits(self, capacity: int, max_tokens: int, min_tokens: Optional[int]) -> None:
@@ -136,11 +147,11 @@ class ElasticKVCache:
 
     def _park_initial(self) -> None:
         """The allocator was created for max_tokens: take everything past the capacity off its lists."""
-        if self.allocator.size != self._max_units * self.page_size:
+        if self.units.size != self._max_units * self.page_size:
             raise ValueError(
-                f"allocator has {self.allocator.size} tokens, expected max_tokens {self._max_units * self.page_size}"
+                f"allocator has {self.units.size} tokens, expected max_tokens {self._max_units * self.page_size}"
             )
-        if self.allocator.available_size() != self.allocator.size:
+        if self.units.available_size() != self.units.size:
             raise RuntimeError("the elastic KV cache must be set up on an empty allocator")
         self._drop_from_free_lists(self._cap_units)
         self._publish()
@@ -153,7 +164,7 @@ class ElasticKVCache:
         cap = capacity_tokens - capacity_tokens % ps
         if not 0 < cap <= self.max_tokens:
             raise ValueError(f"post-capture capacity {capacity_tokens} outside (0, {self.max_tokens}]")
-        if self.allocator.available_size() != self.allocator.size:
+        if self.units.available_size() != self.units.size:
             raise RuntimeError("rebase needs an empty allocator")
         self.pool.size = self.max_tokens
         self._cap_units = cap // ps
@@ -209,7 +220,7 @@ class ElasticKVCache:
             page_size=self.page_size,
             mapped_bytes=self.backing.mapped_bytes(),
             credit_bytes=self._credit,
-            available_tokens=int(self.allocator.available_size()),
+            available_tokens=int(self.units.available_size()),
             counters=ElasticKVCounters(**asdict(self.counters)),
         )
 
@@ -276,9 +287,9 @@ class ElasticKVCache:
             self.budget.commit(reservation)
         self._credit = max(0, self._credit - need)
         old = self._cap_units
-        new_ids = torch.arange(old + 1, target_units + 1, dtype=torch.int64, device=self.allocator.device)
+        new_ids = torch.arange(old + 1, target_units + 1, dtype=torch.int64, device=self.units.device)
         # Append: SGLang allocates from the front, so the new high ids are used last (easier to park again).
-        self.allocator.free_pages = torch.cat((self.allocator.free_pages, new_ids))
+        self.units.free_pages = torch.cat((self.units.free_pages, new_ids))
         self._cap_units = target_units
         added = target_units - old
         self.counters.grows += 1
@@ -344,7 +355,8 @@ class ElasticKVCache:
             return
         highest = self._highest_used_unit(target)
         if highest > target and self.tree_cache is not None:
-            self.counters.evicted_tokens += evict_tail(self.tree_cache, target, self.page_size)
+            self.counters.evicted_tokens += evict_tail(self.tree_cache, target, self.page_size, self._highest_used_unit,
+                                                       self._used_units_above)
             highest = self._highest_used_unit(target)
         new_units = max(target, highest)
         if new_units > target:
@@ -374,12 +386,19 @@ class ElasticKVCache:
         used = torch.nonzero(~is_free)
         return above if used.numel() == 0 else above + 1 + int(used.max())
 
+    def _used_units_above(self, above: int) -> int:
+        """How many unit ids in (above, cap] are not free (held by requests or the radix cache)."""
+        n = self._cap_units - above
+        if n <= 0:
+            return 0
+        return n - int((self._free_ids() > above).sum())
+
     def _free_ids(self) -> torch.Tensor:
-        a = self.allocator
+        a = self.units
         return torch.cat((a.free_pages, a.release_pages)) if len(a.release_pages) else a.free_pages
 
     def _drop_from_free_lists(self, keep_units: int) -> None:
-        a = self.allocator
+        a = self.units
         a.free_pages = a.free_pages[a.free_pages <= keep_units]
         a.release_pages = a.release_pages[a.release_pages <= keep_units]
 
@@ -405,22 +424,49 @@ class ElasticKVCache:
 
     def _publish(self) -> None:
         cap = self.capacity_tokens
-        a = self.allocator
+        a = self.units
         a.size = cap
         if self.page_size > 1:
             a.num_pages = self._cap_units
+        swa = self.allocator is not a  # a hybrid sliding-window pool: its full-attention part is what changes
+        if swa:
+            self.allocator._size_full = cap
         mr = self.model_runner
         if mr is not None:
             mr.max_total_num_tokens = cap
-            if getattr(mr, "memory_pool_config", None) is not None:
-                mr.memory_pool_config.max_total_num_tokens = cap
+            config = getattr(mr, "memory_pool_config", None)
+            if config is not None:
+                config.max_total_num_tokens = cap
+            if swa:
+                mr.full_max_total_num_tokens = cap
+                if config is not None:
+                    config.full_max_total_num_tokens = cap
         s = self.scheduler
         if s is not None:
             s.max_total_num_tokens = cap
+            if swa:
+                s.full_tokens_per_layer = cap
             for name in ("invariant_checker", "pool_stats_observer", "kv_events_publisher", "load_inquirer"):
                 obj = getattr(s, name, None)
-                if obj is not None and hasattr(obj, "max_total_num_tokens"):
+                if obj is None:
+                    continue
+                if hasattr(obj, "max_total_num_tokens"):
                     _set_field(obj, "max_total_num_tokens", cap)
+                if swa and hasattr(obj, "full_tokens_per_layer"):
+                    _set_field(obj, "full_tokens_per_layer", cap)
+
+
+def _units_allocator(allocator: Any) -> Any:
+    """The allocator whose free lists hold the elastic slots: the full-attention one inside SGLang's hybrid
+    sliding-window allocator, else the allocator itself."""
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+
+    if type(allocator) is SWATokenToKVPoolAllocator:
+        full = allocator.full_attn_allocator
+        if full is allocator.swa_attn_allocator:
+            raise TypeError("elastic KV cache: an all-sliding-window pool has no full-attention part to grow")
+        return full
+    return allocator
 
 
 def _set_field(obj: Any, name: str, value: Any) -> None:
@@ -430,18 +476,30 @@ def _set_field(obj: Any, name: str, value: Any) -> None:
         object.__setattr__(obj, name, value)
 
 
-def evict_tail(tree_cache: Any, keep_units: int, page_size: int) -> int:
+def evict_tail(tree_cache: Any, keep_units: int, page_size: int, highest_used: Any = None,
+               used_above: Any = None) -> int:
     """Evict radix-cache nodes that hold slots past `keep_units` and that no request holds. Returns the
-    tokens evicted. First leaves (their parents follow when they become tail-holding leaves); then, for a
-    tail-holding inner node with lock_ref == 0, its whole subtree (a lock on any node is counted on all
+    tokens evicted. RadixCache: first leaves (their parents follow when they become tail-holding leaves); then,
+    for a tail-holding inner node with lock_ref == 0, its whole subtree (a lock on any node is counted on all
     its ancestors, so lock_ref == 0 means no request holds anything below). Nodes that hold only low
-    slots are kept unless they sit below such an inner node."""
+    slots are kept unless they sit below such an inner node. SWARadixCache: `evict_swa_tail`. UnifiedRadixCache
+    (SGLang's tree for hybrid sliding-window models): `evict_unified_tail`."""
     from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    if getattr(tree_cache, "disable", False) or not hasattr(tree_cache, "evictable_leaves"):
+    if getattr(tree_cache, "disable", False):
+        return 0
+    if type(tree_cache) is SWARadixCache:
+        return evict_swa_tail(tree_cache, keep_units, page_size, highest_used)
+    if type(tree_cache) is UnifiedRadixCache and used_above is not None:
+        return evict_unified_tail(tree_cache, keep_units, page_size, used_above)
+    if not hasattr(tree_cache, "evictable_leaves"):
         return 0
     if type(tree_cache) is not RadixCache:
-        logger.warning("elastic KV: tail eviction supports RadixCache only, not %s; deferring", type(tree_cache).__name__)
+        logger.warning("elastic KV: tail eviction supports RadixCache, SWARadixCache and UnifiedRadixCache, not %s; "
+                       "deferring",
+                       type(tree_cache).__name__)
         return 0
 
     def holds_tail(node) -> bool:
@@ -480,4 +538,56 @@ def evict_tail(tree_cache: Any, keep_units: int, page_size: int) -> int:
                 evicted += evict_leaf(x)
         else:
             todo.extend(node.children.values())
+    return evicted
+
+
+def evict_unified_tail(tree_cache: Any, keep_units: int, page_size: int, used_above: Any) -> int:
+    """UnifiedRadixCache keeps its nodes in a tree core whose walk is internal, so evict through the cache's own LRU
+    eviction (it keeps every component's values, LRU lists and sizes consistent), in rounds that ask for as many
+    full-attention tokens as the tail still holds (`used_above(keep_units)` units). Stops when the tail is free,
+    nothing is evictable, or a round frees no tail slot (what is left there is held by running requests): one
+    fruitless round at most. LRU order may take nodes below the tail first, as SGLang's own eviction under memory
+    pressure would. Returns the tokens evicted."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    evicted, held = 0, used_above(keep_units)
+    while held > 0:
+        want = min(held * page_size, int(tree_cache.full_evictable_size()))
+        if want <= 0:
+            break
+        evicted += int(tree_cache.evict(EvictParams(num_tokens=want)).num_tokens_evicted)
+        now = used_above(keep_units)
+        if now >= held:
+            break
+        held = now
+    return evicted
+
+
+def evict_swa_tail(tree_cache: Any, keep_units: int, page_size: int, highest_used: Any) -> int:
+    """SWARadixCache: evict through the cache's own LRU eviction (it keeps its full and sliding-window lists,
+    tombstones and sizes consistent) until no unlocked node holds a full-attention slot past `keep_units`.
+    Each round asks for as many tokens as those nodes hold; LRU order may take other unlocked nodes first, as
+    SGLang's own eviction under memory pressure would. Stops when the tail is free of cached slots
+    (`highest_used(keep_units) == keep_units`) or a round evicts nothing. Returns the tokens evicted."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    def tail_tokens() -> int:
+        total, stack = 0, list(tree_cache.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            v = node.value
+            if node.full_lock_ref == 0 and v is not None and len(v) and bool(((v // page_size) > keep_units).any()):
+                total += len(v)
+        return total
+
+    evicted = 0
+    while highest_used is None or highest_used(keep_units) > keep_units:
+        want = tail_tokens()
+        if want == 0:
+            break
+        got = int(tree_cache.evict(EvictParams(num_tokens=want)).num_tokens_evicted)
+        if got == 0:
+            break
+        evicted += got
     return evicted

@@ -69,9 +69,8 @@ class PagedWeightScheduler:
         self.iteration += 1
         if self.tp_sync is not None and self.tp_sync.skip():
             return  # a quiet window (agreed at the last exchange): routing and traffic accumulate until the next one
-        allocator = scheduler.token_to_kv_pool_allocator
-        available = allocator.available_size() // self.page_size
-        evictable = scheduler.tree_cache.evictable_size() // self.page_size
+        available = full_available_tokens(scheduler.token_to_kv_pool_allocator) // self.page_size
+        evictable = full_evictable_tokens(scheduler.tree_cache) // self.page_size
         inputs = StepInputs(
             available_blocks=available,
             evictable_blocks=evictable,
@@ -145,7 +144,7 @@ class PagedWeightScheduler:
             transitions=counters.transitions,
             bytes_to_kv=counters.bytes_to_kv,
             kv_capacity_tokens=int(scheduler.max_total_num_tokens),
-            kv_available_tokens=int(scheduler.token_to_kv_pool_allocator.available_size()),
+            kv_available_tokens=full_available_tokens(scheduler.token_to_kv_pool_allocator),
             fences_recorded=ledger.recorded if ledger is not None else 0,
         )
 
@@ -248,6 +247,22 @@ def iteration_blocks(chunked_prefill_size: Any, max_running_requests: Any, page_
         return 0
     per_request = (max(1, int(tokens_per_request)) - 1) // page_size + 1
     return -(-chunk // page_size) + running * (per_request + 1)
+
+
+def full_available_tokens(allocator: Any) -> int:
+    """Free token slots the pressure signal counts: a hybrid sliding-window allocator's full-attention ones (the
+    pool the elastic cache grows; its sliding-window pool is bounded by the window, not the context), else all."""
+    full = getattr(allocator, "full_available_size", None)
+    return int(full() if full is not None else allocator.available_size())
+
+
+def full_evictable_tokens(tree_cache: Any) -> int:
+    """Radix-cache tokens that eviction could free, in full-attention slots for SWARadixCache (whose
+    evictable_size() is not defined: it keeps full and sliding-window counts apart)."""
+    supports_swa = getattr(tree_cache, "supports_swa", None)
+    if supports_swa is not None and supports_swa():
+        return int(tree_cache.full_evictable_size())
+    return int(tree_cache.evictable_size())
 
 
 def head_of_line_demand_tokens(scheduler: Any) -> int:
