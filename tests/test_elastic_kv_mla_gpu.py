@@ -15,6 +15,10 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 LAYERS, RANK, ROPE = 4, 512, 64  # DeepSeek-V2's latent: kv_lora_rank 512 + rope 64, bf16: 1152 B per token per layer
+# The driver's free memory also drops by what is not the mapping: CUDA's lazily loaded kernel modules on first use and
+# the pool's and allocator's own tensors (130 MB beyond the mapping on an H100, session 27). Far below the 4.8 GB the
+# reservation would take if it were mapped whole, which is what the bounds below rule out.
+SLACK = 256 << 20
 
 
 def _elastic_mla_pool(max_tokens: int, capacity: int):
@@ -54,7 +58,7 @@ def test_mla_latent_buffers_grow_and_shrink_in_device_memory():
     assert kv.bytes_per_token == bpt
     assert all(b.shape == (max_tokens + 1, 1, RANK + ROPE) for b in pool.kv_buffer)
     mapped = free_before - torch.cuda.mem_get_info()[0]
-    assert capacity * bpt <= mapped < capacity * bpt + (64 << 20), "only the usable prefix (plus chunks) is mapped"
+    assert capacity * bpt <= mapped < capacity * bpt + SLACK, "only the usable prefix (plus chunks) is mapped"
 
     grown = kv.grow_tokens(1 << 18)
     assert grown == 1 << 18 and kv.capacity_tokens == capacity + grown
@@ -73,5 +77,5 @@ def test_mla_latent_buffers_grow_and_shrink_in_device_memory():
     kv.poll()
     assert kv.counters.bytes_released >= grown * bpt - (64 << 20)
     torch.cuda.empty_cache()
-    assert free_before - torch.cuda.mem_get_info()[0] < capacity * bpt + (64 << 20), "the chunks went back"
+    assert free_before - torch.cuda.mem_get_info()[0] < capacity * bpt + SLACK, "the chunks went back"
     owner.close()
