@@ -127,6 +127,10 @@ def make_dummy_model(name: str, out: Path, num_layers: int | None = None) -> Pat
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     write_tokenizer(out, vocab_size=1000, max_length=cfg["max_position_embeddings"])
+    if name == "gemma4_26b_a4b":  # launch_server (pressure_bench.py) loads the multimodal checkpoint's processor
+        from pagedweight.tools.tiny_gemma4 import write_gemma4_processor
+
+        write_gemma4_processor(out, cfg["text_config"]["vocab_size"])
     return out
 
 

@@ -24,7 +24,7 @@ import sys
 from typing import Any, Optional
 
 from pagedweight.bench.burst import BurstSpec, run_burst
-from pagedweight.bench.scenario import SystemSpec, add_run_args, run_system, start_results
+from pagedweight.bench.scenario import SystemSpec, add_run_args, config_vocab_size, run_system, start_results
 
 
 def systems_from_args(a: argparse.Namespace) -> list[SystemSpec]:
@@ -125,7 +125,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = p.parse_args(argv)
 
     out, opts, cfg, doc = start_results(a, argv)
-    workload = BurstWorkload(a, int(cfg.get("vocab_size", 32000)))
+    workload = BurstWorkload(a, config_vocab_size(cfg))
     common = ["--load-format", a.load_format, "--mem-fraction-static", str(a.mem_fraction_static), "--enable-metrics"]
     common += a.extra_server_args.split()
     doc["workload"] = (f"bursts of N concurrent requests of {a.input_len} random prompt tokens + {a.output_len} output "

@@ -33,8 +33,8 @@ from typing import Any, Optional
 import requests
 
 from pagedweight.bench.burst import BurstSpec, run_burst
-from pagedweight.bench.scenario import (SystemSpec, add_run_args, paged_state, run_system, server_info, start_results,
-                                        write_results)
+from pagedweight.bench.scenario import (SystemSpec, add_run_args, config_vocab_size, paged_state, run_system,
+                                        server_info, start_results, write_results)
 
 
 def _post(url: str, path: str, body: Optional[dict] = None, timeout: float = 120) -> Any:
@@ -251,7 +251,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     out, opts, cfg, doc = start_results(a, argv)
     plan = out.parent / "tp2_held_plan.json"  # the held plan's /get_server_info snapshot
-    workload = Tp2Workload(a, int(cfg.get("vocab_size", 32000)), plan)
+    workload = Tp2Workload(a, config_vocab_size(cfg), plan)
     common = ["--load-format", a.load_format, "--tp", str(a.tp), "--mem-fraction-static", str(a.mem_fraction_static),
               "--enable-metrics"] + a.extra_server_args.split()
     pw = ("--enable-paged-weight", "--paged-weight-bits", str(a.paged_weight_bits), "--paged-weight-min-bits",

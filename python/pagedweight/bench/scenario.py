@@ -173,6 +173,15 @@ def add_run_args(p: Any, quiet_timeout_s: float) -> None:
     p.add_argument("--out", required=True)
 
 
+def config_vocab_size(cfg: dict[str, Any]) -> int:
+    """The vocabulary size of a model's config.json: top level, or under `text_config` for a multimodal
+    checkpoint (Gemma-4's Gemma4Config); a burst's random token ids must stay below it."""
+    size = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    if not size:
+        raise ValueError("config.json names no vocab_size (top level or text_config)")
+    return int(size)
+
+
 def start_results(a: Any, argv: Optional[list[str]]) -> tuple[Path, RunOptions, dict[str, Any], dict[str, Any]]:
     """For a benchmark script's parsed args `a` (out, model_path, sample_interval_s, start_timeout_s,
     quiet_timeout_s, port): the results path, run options (server logs next to the results), the model's

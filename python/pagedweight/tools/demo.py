@@ -113,8 +113,9 @@ def prepare_checkpoint(args: argparse.Namespace) -> Path:
 
 
 def vocab_size(model_dir: Path) -> int:
-    cfg = json.loads((model_dir / "config.json").read_text())
-    return int(cfg.get("vocab_size") or (cfg.get("text_config") or {})["vocab_size"])
+    from pagedweight.bench.scenario import config_vocab_size
+
+    return config_vocab_size(json.loads((model_dir / "config.json").read_text()))
 
 
 def run(args: argparse.Namespace, emit: Callable[[str], None] = print) -> dict:

@@ -56,3 +56,33 @@ def gemma4_config(sizes: Any, dtype: str):
                                        tie_word_embeddings=True)
     config.dtype = dtype
     return config
+
+
+# Gemma-4's media tokens, named as its processor reads them off the tokenizer (Gemma4Processor.__init__)
+GEMMA4_MEDIA_TOKENS = {"image_token": "<|image|>", "boi_token": "<|boi|>", "eoi_token": "<|eoi|>",
+                       "audio_token": "<|audio|>", "boa_token": "<|boa|>", "eoa_token": "<|eoa|>"}
+# the ids the processor adds to a tokenizer: the media tokens and the video token Gemma4Processor adds itself
+GEMMA4_PROCESSOR_TOKENS = len(GEMMA4_MEDIA_TOKENS) + 1
+
+
+def write_gemma4_processor(out_dir: Any, vocab_size: int) -> None:
+    """Write the processor files a Gemma-4 checkpoint ships (processor_config.json with transformers' default image,
+    video and audio processors) beside the tokenizer in `out_dir`, which gains the media tokens as named special
+    tokens. `sglang.launch_server` builds this processor for the multimodal architecture whatever the requests hold
+    (it has no flag to skip it); text-only tests and benchmarks never send media. The new token ids must stay inside
+    the model's vocabulary (`vocab_size`)."""
+    from pathlib import Path
+
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.image_processing_gemma4 import Gemma4ImageProcessor
+    from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
+    from transformers.models.gemma4.video_processing_gemma4 import Gemma4VideoProcessor
+
+    out = Path(out_dir)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(out), extra_special_tokens=dict(GEMMA4_MEDIA_TOKENS))
+    processor = Gemma4Processor(Gemma4AudioFeatureExtractor(), Gemma4ImageProcessor(), tokenizer,
+                                Gemma4VideoProcessor())
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"Gemma-4 media tokens need {len(tokenizer)} ids; the model's vocabulary has {vocab_size}")
+    processor.save_pretrained(str(out))

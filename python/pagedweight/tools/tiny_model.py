@@ -326,7 +326,13 @@ def make_tiny_moe(
         raise RuntimeError(f"expected one model.safetensors in {out}, found {[p.name for p in weights]}")
     if arch not in FUSED_EXPERT_ARCHS:
         _ensure_per_expert_names(weights[0], arch)
-    write_tokenizer(out, sizes.vocab_size, sizes.max_position_embeddings)
+    if arch == "gemma4":  # the processor files of the multimodal checkpoint, so sglang.launch_server can load it
+        from pagedweight.tools.tiny_gemma4 import GEMMA4_PROCESSOR_TOKENS, write_gemma4_processor
+
+        write_tokenizer(out, sizes.vocab_size - GEMMA4_PROCESSOR_TOKENS, sizes.max_position_embeddings)
+        write_gemma4_processor(out, sizes.vocab_size)
+    else:
+        write_tokenizer(out, sizes.vocab_size, sizes.max_position_embeddings)
     # Chat turns end with <|im_end|>, plain completions with </s>: both stop generation.
     generation_config_path = out / "generation_config.json"
     generation_config = json.loads(generation_config_path.read_text())
