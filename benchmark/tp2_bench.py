@@ -43,11 +43,24 @@ def _post(url: str, path: str, body: Optional[dict] = None, timeout: float = 120
     return r.json() if r.content and r.headers.get("content-type", "").startswith("application/json") else r.text
 
 
+def _flush_cache(url: str, timeout_s: float = 60.0) -> None:
+    """POST /flush_cache until the server takes it: SGLang answers 400 while requests are still draining (its
+    scheduler is not idle for a moment after the last answer went out, longer on a loaded machine)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = requests.post(url + "/flush_cache", timeout=120)
+        if r.ok:
+            return
+        if r.status_code != 400 or time.monotonic() > deadline:
+            r.raise_for_status()
+        time.sleep(0.5)
+
+
 def probes(url: str, a: argparse.Namespace, vocab: int) -> list[dict[str, list]]:
     """Greedy answers to the probe prompts, one request at a time, from an empty prefix cache: each answer's
     token ids and their logprobs. A dummy-weight model's greedy tokens barely depend on the experts' bits,
     so the logprobs are what shows that a plan changed the numerics (and that a second server reproduces them)."""
-    _post(url, "/flush_cache")
+    _flush_cache(url)
     prompts = BurstSpec(a.probes, a.probe_input_len, a.probe_output_len, vocab, seed=a.seed + 1000).prompts()
     out = []
     for ids in prompts:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -184,6 +185,49 @@ def test_gemma4_dummy_model_is_the_26b_a4b_decoder(tmp_path):
     assert (text.hidden_size, text.moe_intermediate_size, text.intermediate_size) == (2816, 704, 2112)
     assert text.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 2
     assert text.enable_moe_block and text.attention_k_eq_v and text.sliding_window == 1024
+    # the processor launch_server loads for this architecture, its media tokens inside the vocabulary
+    processor = transformers.AutoProcessor.from_pretrained(out)
+    assert type(processor).__name__ == "Gemma4Processor"
+    assert 0 <= processor.image_token_id < len(processor.tokenizer) <= text.vocab_size
+    from pagedweight.bench.scenario import config_vocab_size
+
+    assert config_vocab_size(json.loads((out / "config.json").read_text())) == text.vocab_size == 262144
+
+
+def test_config_vocab_size_top_level_or_text_config():
+    from pagedweight.bench.scenario import config_vocab_size
+
+    assert config_vocab_size({"vocab_size": 151936}) == 151936
+    assert config_vocab_size({"text_config": {"vocab_size": 512}}) == 512
+    with pytest.raises(ValueError, match="vocab_size"):
+        config_vocab_size({"text_config": {}})
+
+
+def test_tp2_bench_flush_waits_while_the_scheduler_drains(monkeypatch):
+    """SGLang answers /flush_cache with 400 until its scheduler is idle: the probe waits for it, and gives up with the
+    server's error past its deadline."""
+    mod = _load_script("tp2_bench")
+    answers = iter([400, 400, 200])
+    calls = []
+
+    class Resp:
+        def __init__(self, code):
+            self.status_code, self.ok = code, code == 200
+
+        def raise_for_status(self):
+            raise RuntimeError(f"HTTP {self.status_code}")
+
+    def post(url, timeout):
+        calls.append(url)
+        return Resp(next(answers))
+
+    monkeypatch.setattr(mod.requests, "post", post)
+    monkeypatch.setattr(mod.time, "sleep", lambda s: None)
+    mod._flush_cache("http://x")
+    assert calls == ["http://x/flush_cache"] * 3
+    monkeypatch.setattr(mod.requests, "post", lambda url, timeout: Resp(400))
+    with pytest.raises(RuntimeError, match="HTTP 400"):
+        mod._flush_cache("http://x", timeout_s=0.0)
 
 
 def test_bench_one_batch_unit_norms_for_a_stock_dummy_run(monkeypatch):
