@@ -29,7 +29,8 @@ full-attention sub-pool and only its allocator (`units`) grows and shrinks; the 
 size SGLang gave it. A sliding-window layer needs at most its window of each running request, so the SWA pool
 bounds how many requests run at once, not how long their contexts get; the full pool bounds the context, and it
 is what the weights' freed bytes buy. The composite allocator's full size and the scheduler's
-`full_tokens_per_layer` copies follow every change, and tail eviction goes through SWARadixCache's own eviction.
+`full_tokens_per_layer` copies follow every change, and tail eviction goes through the radix cache's own
+eviction (UnifiedRadixCache, what SGLang builds for these models, or SWARadixCache).
 
 `controller.ElasticKV` is implemented by `shrink`; the pager's `on_bytes_freed` is `grow`. With a budget
 attached (`attach_budget`) grows reserve and commit "kv" bytes and releases give them back, in the

@@ -257,8 +257,9 @@ def full_available_tokens(allocator: Any) -> int:
 
 
 def full_evictable_tokens(tree_cache: Any) -> int:
-    """Radix-cache tokens that eviction could free, in full-attention slots for SWARadixCache (whose
-    evictable_size() is not defined: it keeps full and sliding-window counts apart)."""
+    """Radix-cache tokens that eviction could free, in full-attention slots for a tree with a sliding-window part
+    (UnifiedRadixCache with its SWA component, SWARadixCache: they keep full and sliding-window counts apart, and
+    SWARadixCache.evictable_size() is not defined)."""
     supports_swa = getattr(tree_cache, "supports_swa", None)
     if supports_swa is not None and supports_swa():
         return int(tree_cache.full_evictable_size())
