@@ -204,7 +204,10 @@ def resolve_memory_pool_config_around(original, configurator, *args, **kwargs):
     from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
 
     pool_configurator = create_memory_pool_configurator(configurator)
-    cell = _full_token_bytes(pool_configurator) if configurator.is_hybrid_swa else getattr(pool_configurator, "_cell_size", None)
+    if configurator.is_hybrid_swa:  # one more token costs its full-attention layers only
+        cell = _full_token_bytes(pool_configurator)
+    else:
+        cell = getattr(pool_configurator, "_cell_size", None)
     if not cell:
         raise ElasticKVSetupError("cannot read SGLang's KV bytes per token (pool configurator has no cell size)")
     page = configurator.pool_page_size

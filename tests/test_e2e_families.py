@@ -60,8 +60,8 @@ _SWA_ELASTIC_LINE = "; full-attention pool elastic, sliding-window pool fixed at
 def test_gemma4_parent_matches_stock_and_bits_matter(work_dir, server_env):
     """Gemma-4 MoE (the multimodal `gemma4` checkpoint, experts stored fused, a dense GELU MLP beside GELU-gated
     experts, sliding-window layers): converted at 8 bits and served with --enable-paged-weight, it matches stock
-    SGLang on the bf16 source, starts with the full-attention part of its hybrid sliding-window KV pool elastic (one log line), and its
-    experts really run from the planes (2 bits is measurably worse).
+    SGLang on the bf16 source, starts with the full-attention part of its hybrid sliding-window KV pool elastic
+    (one log line), and its experts really run from the planes (2 bits is measurably worse).
 
     The reference is stock SGLang 0.5.17 with one change: its CPU MoE method asserts SiLU experts, so the reference
     server alone runs with tests/support/cpu_gelu_moe, which routes GELU layers to SGLang's own torch MoE

@@ -121,6 +121,14 @@ else:
         a = alloc.full_attn_allocator
         return torch.cat((a.free_pages, a.release_pages)).tolist()
 
+    def check_step(kv, alloc, sched, held):
+        """After a random step: every held slot and every free slot lies inside the capacity, and SGLang's leak checks
+        balance with `held` (the running requests' slots, full and SWA alike) counted as theirs."""
+        in_use = sum(len(h) for h in held)
+        assert all(int(h.max()) <= kv.capacity_tokens for h in held)
+        assert all(v <= kv.capacity_tokens for v in full_ids(alloc))
+        sglang_leak_check(kv, sched, held_full=in_use, held_swa=in_use)
+
     def insert(tree, tokens, values, cached=0):
         """Insert as a finished request does: its first `cached` tokens came from the tree (SGLang's insert frees
         the duplicates of any matched prefix past that point)."""
@@ -222,10 +230,7 @@ else:
                     kv.grow(rng.randint(0, 20) * FULL_BPT)
                 else:
                     kv.shrink(rng.randint(0, 30) * FULL_BPT)
-                in_use = sum(len(h) for h in held)
-                assert all(int(h.max()) <= kv.capacity_tokens for h in held)
-                assert all(v <= kv.capacity_tokens for v in full_ids(alloc))
-                sglang_leak_check(kv, sched, held_full=in_use, held_swa=in_use)
+                check_step(kv, alloc, sched, held)
             for h in held:
                 alloc.free(h)
             kv.shrink(10**9)
@@ -290,10 +295,7 @@ else:
                     kv.grow(rng.randint(0, 20) * FULL_BPT)
                 else:
                     kv.shrink(rng.randint(0, 40) * FULL_BPT)
-                in_use = sum(len(h) for h in running)
-                assert all(int(h.max()) <= kv.capacity_tokens for h in running)
-                assert all(v <= kv.capacity_tokens for v in full_ids(alloc))
-                sglang_leak_check(kv, sched, held_full=in_use, held_swa=in_use)
+                check_step(kv, alloc, sched, running)
             for node in locks:
                 tree.dec_lock_ref(node)
             for h in running:

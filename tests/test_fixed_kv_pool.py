@@ -46,8 +46,8 @@ def memory_namespace(monkeypatch):
 
 @pytest.mark.parametrize("kind,word", [(dict(use_mla_backend=True, model_config=SimpleNamespace(hf_config=DSA_CONFIG)),
                                         "DSA (sparse-attention MLA)"),
-                                       (dict(is_hybrid_swa=True, model_config=GEMMA4_CONFIG, kv_cache_dtype_str="mxfp8"),
-                                        "MXFP8 hybrid sliding-window"),
+                                       (dict(is_hybrid_swa=True, model_config=GEMMA4_CONFIG,
+                                             kv_cache_dtype_str="mxfp8"), "MXFP8 hybrid sliding-window"),
                                        (dict(is_hybrid_swa=True, model_config=ALL_SWA_CONFIG), "all-sliding-window"),
                                        (dict(mambaish_config=object()), "Mamba")])
 def test_a_pool_kind_the_cache_does_not_take_is_kept_fixed(kind, word, monkeypatch, caplog):
