@@ -42,12 +42,15 @@ def kernel_times(call) -> list[tuple[str, float]]:
 
 
 def parse_config(text: str) -> GroupedConfig:
-    """wn.stages[.mma|.ws][.pf128|.pf256]: mma.sync instead of wgmma, or the warp-specialized kernel; the L2
-    prefetch size of the copies."""
+    """wn.stages[.mma|.ws|.r256][.q][.tbN][.pf128|.pf256]: mma.sync instead of wgmma, the warp-specialized kernel,
+    or 256-row blocks; stages of the expert's own planes (q_stages); N token blocks back to back per row tile
+    (tb_group); the L2 prefetch size of the copies."""
     wn, stages, *tags = text.split(".")
     pf = [int(t[2:]) for t in tags if t.startswith("pf")]
-    kind = [t for t in tags if not t.startswith("pf")]
-    return GroupedConfig(int(wn), int(stages), wgmma=kind != ["mma"], ws=kind == ["ws"], l2_prefetch=pf[0] if pf else 0)
+    tbg = [int(t[2:]) for t in tags if t.startswith("tb")]
+    kind = [t for t in tags if not t.startswith(("pf", "tb")) and t != "q"]
+    return GroupedConfig(int(wn), int(stages), wgmma=kind != ["mma"], ws=kind == ["ws"], l2_prefetch=pf[0] if pf else 0,
+                         rows=256 if kind == ["r256"] else 128, q_stages="q" in tags, tb_group=tbg[0] if tbg else 1)
 
 
 def main() -> None:
@@ -59,8 +62,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--time-budget-s", type=float, default=200.0)
     ap.add_argument("--configs", default="1.3,1.4,2.3,2.4,2.3.mma",
-                    help="comma list of wn.stages[.mma|.ws][.pf128|.pf256] (e.g. 2.3.ws: 128 pairs, 3 stages, "
-                         "warp-specialized)")
+                    help="comma list of wn.stages[.mma|.ws|.r256][.pf128|.pf256] (e.g. 2.3.ws: 128 pairs, 3 stages, "
+                         "warp-specialized; 2.3.r256: 256 rows x 128 pairs)")
     ap.add_argument("--tiles", action="store_true", help="also time the dequantize-then-GEMM path")
     args = ap.parse_args()
     t0 = time.time()
@@ -79,6 +82,8 @@ def main() -> None:
                 x = torch.randn((M, H), device=dev, dtype=torch.bfloat16)
                 tw, ids = make_routing(M, E, topk, m["renormalize"], M, dev)
                 default = default_grouped_config(M, topk, E)
+                # every config's output against the dequantize-then-GEMM path (a fast wrong kernel shows here)
+                ref = ap_fused_moe(x, tw, ids, w13, w2, kernel="tiles").float()
                 for cfg in [*configs, *(["tiles"] if args.tiles else [])]:
                     if time.time() - t0 > args.time_budget_s:
                         break
@@ -87,18 +92,24 @@ def main() -> None:
                         call = lambda: ap_fused_moe(x, tw, ids, w13, w2, kernel="tiles")  # noqa: E731
                     else:
                         r = dict(model=mk, case=case, M=M, wn=cfg.wn, stages=cfg.stages, wgmma=cfg.wgmma, ws=cfg.ws,
-                                 default=cfg == default)
+                                 rows=cfg.rows, q_stages=cfg.q_stages, tb_group=cfg.tb_group, default=cfg == default)
                         call = lambda: ap_fused_moe_grouped(x, tw, ids, w13, w2, config=cfg)  # noqa: E731
                     try:
+                        out = call().float()
+                        r["rel_err_vs_tiles"] = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
                         r["us"] = graph_time(call, args.reps, flush)["median"]
-                        if r.get("default") or r.get("ws"):
+                        if r.get("default") or r.get("ws") or r.get("rows") == 256:
                             r["kernels"] = kernel_times(call)
                     except Exception as e:  # a config that cannot run on this shape is recorded, not fatal
                         r["error"] = f"{type(e).__name__}: {e}"[:300]
                     rows.append(r)
-                    name = "tiles" if cfg == "tiles" else f"wn={cfg.wn} st={cfg.stages} wgmma={int(cfg.wgmma)} ws={int(cfg.ws)}"
-                    print(f"{mk:<10} {case} M={M:<5} {name} "
-                          f"{r.get('us', float('nan')):9.1f} us {r.get('error', '')} {r.get('kernels', '')}", flush=True)
+                    name = ("tiles" if cfg == "tiles" else
+                            f"wn={cfg.wn} st={cfg.stages} wgmma={int(cfg.wgmma)} ws={int(cfg.ws)} rows={cfg.rows} "
+                            f"q={int(cfg.q_stages)} tbg={cfg.tb_group}")
+                    print(f"{mk:<10} {case} M={M:<5} {name} {r.get('us', float('nan')):9.1f} us "
+                          f"err {r.get('rel_err_vs_tiles', float('nan')):.1e} {r.get('error', '')} {r.get('kernels', '')}",
+                          flush=True)
+                ref = None
                 with open(args.out, "w") as f:
                     json.dump(dict(command=" ".join(sys.argv), rows=rows), f, indent=1)
         p13 = p2 = w13 = w2 = None  # free this model's planes before the next one

@@ -1,7 +1,8 @@
 """Prefill-size AP MoE over ubcq planes: a grouped GEMM that decodes the planes in its mainloop
 (cuda_grouped_gemm.cu, NVRTC), so no expert is ever dequantized into a scratch.
 
-Each block multiplies 128 weight rows by up to 64 * wn (token, slot) pairs of one expert on tensor cores. The
+Each block multiplies 128 (or, `rows=256`, 256) weight rows by up to 64 * wn (token, slot) pairs of one expert on
+tensor cores. The
 plane bytes, the activations and their group sums pass through a cp.async pipeline in shared memory; every
 weight pair of an mma fragment is built from the bit-transposed codes with one lop3 and one packed fma (c A in
 the compute type), and each group's offset enters in fp32 from the group's activation sum (docs/kernels.md,
@@ -12,7 +13,8 @@ atomics, routing weights applied) + one cast.
 Device memory beyond the output: w13's input in the compute type ([M or M * topk, H]), w2's input ([M * topk,
 I]), float32 group sums and the float32 [M, H] accumulator; nothing proportional to the experts.
 
-Scope: CUDA, ubcq tables, group sizes multiples of 128, hidden and intermediate sizes multiples of 128.
+Scope: CUDA, ubcq tables, group sizes multiples of 128, hidden and intermediate sizes multiples of 128 (a 256-row
+block past the hidden size reads zero planes for the rows beyond it and stores nothing of them).
 `grouped_moe_unsupported` says why a layer is not eligible.
 """
 
@@ -30,7 +32,7 @@ from pagedweight.kernels.nvrtc import cached_kernel, compile_cubin
 from pagedweight.kernels.weights import APMoEWeights
 
 CHUNK = 128
-ROWS_PER_BLOCK = 128  # weight rows of one block (w13: 64 gate rows and their up rows)
+ROWS_PER_BLOCK = 128  # weight rows of one block (w13: 64 gate rows and their up rows); GroupedConfig.rows
 _SOURCE = Path(__file__).with_name("cuda_grouped_gemm.cu")
 _WS_SOURCE = Path(__file__).with_name("cuda_grouped_ws.cu")
 MODE_W13, MODE_W2 = 0, 1
@@ -39,14 +41,26 @@ MAX_GROUPS = 256  # prep's shared group sums per row
 
 
 SHARED_LIMIT = 227 * 1024  # dynamic shared memory of one block on sm_90
+RING_MAX_BYTES = 220 * 1024  # q_stages at 256 rows: the ring (+ 1 KB alignment + ~1 KB static slot tables fits)
 WEIGHT_TILE_BYTES = ROWS_PER_BLOCK * CHUNK * 2  # the warp-specialized kernel's decoded 16-bit weight tile
 
 
 @dataclass(frozen=True)
 class GroupedConfig:
-    wn: int = 2  # 64 * wn pairs per block (the single-role kernel: 4 * wn warps)
+    wn: int = 2  # 64 * wn pairs per block (the single-role kernel at 128 rows: 4 * wn warps)
     stages: int = 3  # chunks of 128 inputs in flight in shared memory
     wgmma: bool = True  # warpgroup MMA (sm_90a: Hopper) rather than mma.sync (any sm_80+ GPU)
+    # weight rows per block: 256 puts two warpgroups side by side along the rows, each multiplying its 128 rows by
+    # all 64 * wn pairs (wgmma m64n(64 wn)k16), so each weight is decoded once per block and each activation byte
+    # read from L2 feeds twice the rows (single-role wgmma kernel only)
+    rows: int = ROWS_PER_BLOCK
+    # the Q-bit body cuts the stages' shared memory (sized for bits_max planes) into stages of Q planes, up to 8 of
+    # them (single-role kernel): a 4-bit expert under an 8-bit parent keeps more chunks in flight. At 256 rows (one
+    # block per SM either way) the ring takes RING_MAX_BYTES, whatever `stages` says
+    q_stages: bool = False
+    # token blocks launched back to back on one row tile (single-role kernel): 1 sweeps all row tiles per token
+    # block; more let the token blocks of one expert share each row tile's planes through L2
+    tb_group: int = 1
     # warp-specialized (cuda_grouped_ws.cu, sm_90a): a producer warpgroup loads and decodes each chunk once into
     # shared memory while two consumer warpgroups run wgmma with both operands there
     ws: bool = False
@@ -61,6 +75,15 @@ class GroupedConfig:
             raise ValueError(f"l2_prefetch must be 0, 128 or 256, got {self.l2_prefetch}")
         if self.ws and not self.wgmma:
             raise ValueError("the warp-specialized grouped kernel (ws=True) runs on wgmma: pass wgmma=True")
+        if self.rows not in (128, 256):
+            raise ValueError(f"rows must be 128 or 256, got {self.rows}")
+        if self.tb_group not in (1, 2, 4, 8):
+            raise ValueError(f"tb_group must be 1, 2, 4 or 8, got {self.tb_group}")
+        if (self.q_stages or self.tb_group > 1) and self.ws:
+            raise ValueError("q_stages and tb_group apply to the single-role grouped kernel: pass ws=False")
+        if self.rows == 256 and (self.ws or not self.wgmma):
+            raise ValueError("256-row blocks (rows=256) run on the single-role wgmma kernel: pass ws=False, "
+                             "wgmma=True")
 
     @property
     def block_m(self) -> int:
@@ -68,7 +91,9 @@ class GroupedConfig:
 
     @property
     def threads(self) -> int:
-        return 384 if self.ws else 128 * self.wn
+        if self.ws:
+            return 384
+        return 256 if self.rows == 256 else 128 * self.wn
 
     @property
     def source(self) -> Path:
@@ -78,12 +103,19 @@ class GroupedConfig:
     def kernel_name(self) -> str:
         return "ap_grouped_ws_gemm" if self.ws else "ap_grouped_gemm"
 
+    def ring_bytes(self, bits_max: int) -> int:
+        """Shared memory of the pipeline's stages: `stages` stages of bits_max planes (each rounded up to 1 KB), or
+        RING_MAX_BYTES for q_stages at 256 rows."""
+        if self.q_stages and self.rows == 256:
+            return RING_MAX_BYTES
+        stage = self.block_m * 256 + bits_max * self.rows * 16 + self.block_m * 4
+        return self.stages * (-(-stage // 1024) * 1024)
+
     def shared_bytes(self, bits_max: int) -> int:
-        """Dynamic shared memory: the stages (each rounded up to 1 KB), the warp-specialized kernel's two decoded
-        weight tiles, plus 1 KB to align the first stage."""
-        stage = self.block_m * 256 + bits_max * ROWS_PER_BLOCK * 16 + self.block_m * 4
+        """Dynamic shared memory: the ring of stages, the warp-specialized kernel's two decoded weight tiles, plus
+        1 KB to align the first stage."""
         tiles = 2 * WEIGHT_TILE_BYTES if self.ws else 0
-        return self.stages * (-(-stage // 1024) * 1024) + tiles + 1024
+        return self.ring_bytes(bits_max) + tiles + 1024
 
 
 def grouped_unsupported(w: APMoEWeights) -> str | None:
@@ -121,7 +153,9 @@ def gemm_defines(mode: int, cfg: GroupedConfig, bits_max: int, group_size: int, 
         return [f"-DMODE={mode}", f"-DBN={cfg.block_m}", f"-DPMAX={bits_max}", f"-DG={group_size}",
                 f"-DCT={compute}", f"-DSTAGES={cfg.stages}", f"-DL2PF={cfg.l2_prefetch}"]
     return [f"-DMODE={mode}", f"-DWN={cfg.wn}", f"-DPMAX={bits_max}", f"-DG={group_size}", f"-DCT={compute}",
-            f"-DSTAGES={cfg.stages}", f"-DWGMMA={int(cfg.wgmma)}", f"-DL2PF={cfg.l2_prefetch}"]
+            f"-DSTAGES={cfg.stages}", f"-DWGMMA={int(cfg.wgmma)}", f"-DL2PF={cfg.l2_prefetch}",
+            f"-DWGR={cfg.rows // ROWS_PER_BLOCK}", f"-DQST={int(cfg.q_stages)}", f"-DTBG={cfg.tb_group}",
+            f"-DRING={cfg.ring_bytes(bits_max)}"]
 
 
 def gemm_arch(cfg: GroupedConfig, compute_capability: str) -> str:
@@ -199,8 +233,10 @@ def ap_fused_moe_grouped(
         defines = gemm_defines(mode, cfg, w.bits_max, w.group_size, compute)
         defines = tuple(defines + act_defines(activation) if mode == MODE_W13 else defines)
         kernel = cached_kernel(cfg.source, cfg.kernel_name, defines, dev.index or 0, smem, gemm_arch(cfg, cc))
-        rows = ROWS_PER_BLOCK // 2 if mode == MODE_W13 else ROWS_PER_BLOCK
-        kernel(grid=(n_out // rows, align.max_blocks, 1), block=(cfg.threads, 1, 1), shared_mem=smem,
+        rows = cfg.rows // 2 if mode == MODE_W13 else cfg.rows  # outputs per block
+        tbg = 1 if cfg.ws else cfg.tb_group
+        grid = (-(-n_out // rows) * tbg, -(-align.max_blocks // tbg), 1)
+        kernel(grid=grid, block=(cfg.threads, 1, 1), shared_mem=smem,
                args=[xin, xsin, w.page_table, *common, act, xs2, acc, num_pairs, topk, n_out, w.N, w.K,
                      int(apply_router_weight_on_input), w.num_experts, w.page_table.stride(0), w2.group_size,
                      int(apply_router_weight_on_input)])

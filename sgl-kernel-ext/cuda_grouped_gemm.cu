@@ -3,10 +3,13 @@
 // with NVRTC (cuda_grouped.py); no CUDA headers.
 //
 // ubcq weight (docs/format.md): W[n, k] = 2 s c + z per group of G inputs, z = o - s (2^q - 1), c the q-bit code
-// (plane 0 = MSB). A block holds 128 weight rows (MODE 0: 64 gate rows and their 64 up rows) x BM = 64 WN
-// (token, slot) pairs of one expert (the sorted layout of moe_align_block_size), and walks K in chunks of 128
-// inputs through a STAGES-deep cp.async pipeline in shared memory (activations, plane bytes, group sums).
-// Per chunk each warp (32 rows x 64 pairs) takes its rows' plane words by ldmatrix (the 4 x 4 word transposition
+// (plane 0 = MSB). A block holds BROWS = 128 WGR weight rows (MODE 0: BROWS / 2 gate rows and their up rows) x
+// BM = 64 WN (token, slot) pairs of one expert (the sorted layout of moe_align_block_size), and walks K in chunks
+// of 128 inputs through a STAGES-deep cp.async pipeline in shared memory (activations, plane bytes, group sums).
+// WGR = 1: 4 WN warps, each 32 rows x 64 pairs (with WN = 2 both warpgroups decode the same rows). WGR = 2 (wgmma
+// only): two warpgroups split the 256 rows and each multiplies its 128 by all BM pairs (wgmma m64nBMk16), so every
+// weight is decoded once per block and meets BM pairs, and each activation byte read feeds 256 rows.
+// Per chunk each warp (32 rows) takes its rows' plane words by ldmatrix (the 4 x 4 word transposition
 // of the fold kernel: lane quarter t of a chunk in lane t), bit-transposes them into nibble codes (two delta-swap
 // stages), and builds each weight pair of an mma fragment with one lop3 and one packed fma, centred:
 //     W' = fma(BIAS + c, A, C) = A (c - K0) + eps,   C = round(-(BIAS + K0) A),  eps = C + (BIAS + K0) A
@@ -46,8 +49,17 @@
 #ifndef STAGES
 #define STAGES 3
 #endif
+#ifndef TBG
+#define TBG 1  // token blocks launched back to back on one row tile (grid: x = row tiles x TBG, y = groups)
+#endif
+#ifndef QST
+#define QST 0  // 1: each bitwidth's body cuts the stages' shared memory into as many stages (<= 8) as its planes allow
+#endif
 #ifndef WGMMA
 #define WGMMA 0  // 1: warpgroup MMA (sm_90a), the weights from registers and the activations from shared memory
+#endif
+#ifndef WGR
+#define WGR 1  // warpgroups along the weight rows: 2 = 256 rows per block, each warpgroup all BM pairs (wgmma)
 #endif
 #if G % 128
 #error "G must be a multiple of 128"
@@ -55,19 +67,41 @@
 #if WN != 1 && WN != 2
 #error "WN must be 1 or 2"
 #endif
+#if WGR != 1 && WGR != 2
+#error "WGR must be 1 or 2"
+#endif
+#if WGR == 2 && !WGMMA
+#error "WGR = 2 (256-row blocks) runs on wgmma"
+#endif
 
-// A tile T (16 rows, 0..7) of warp row wr (0..3), a = 0, 1: mma.sync gives a warp two adjacent tiles; wgmma a
-// warpgroup 64 rows per instruction, warp wr rows 16 wr .. 16 wr + 15 of each
-#define TILE(wr, a) (WGMMA ? 4 * (a) + (wr) : 2 * (wr) + (a))
-#define NWARPS (4 * WN)
+// A tile T (16 rows, 0 .. BROWS / 16 - 1) of warp row wr (0..3) in row warpgroup wgr, a = 0, 1: mma.sync gives a
+// warp two adjacent tiles; wgmma a warpgroup 64 rows per instruction, warp wr rows 16 wr .. 16 wr + 15 of each
+#define TILE(wgr, wr, a) (WGMMA ? 8 * (wgr) + 4 * (a) + (wr) : 2 * (wr) + (a))
+#define NWARPS (WGR == 2 ? 8 : 4 * WN)
 #define NTHREADS (NWARPS * 32)
 #define BM (64 * WN)
-#define BROWS 128
+#define BROWS (128 * WGR)
+#define NPW (WGR == 2 ? BM : 64)  // pairs of one warp's MMAs (the wgmma N)
 #define CHUNK 128
+#define A_PER (BM * 16 / NTHREADS)  // 16-byte activation copies per thread and stage
 #define ACT_STAGE (BM * 256)
 #define PL_STAGE (BROWS * 16)
 #define SUM_OFF (ACT_STAGE + PMAX * PL_STAGE)
 #define STAGE_BYTES ((SUM_OFF + BM * 4 + 1023) / 1024 * 1024)  // 1024-byte aligned (the swizzle atoms)
+
+#ifndef RING
+#define RING (STAGES * STAGE_BYTES)  // QST: the shared memory the stages share (the host may give more)
+#endif
+
+// The pipeline of the Q-bit body: STAGES stages of STAGE_BYTES (sized for PMAX planes), or with QST the RING bytes
+// cut into stages of Q planes (at most 8), so a 4-bit expert under an 8-bit parent keeps more chunks in flight
+template <int Q>
+struct Ring {
+    static constexpr int SUM = QST ? ACT_STAGE + Q * PL_STAGE : SUM_OFF;  // group sums inside a stage
+    static constexpr int BYTES = QST ? (SUM + BM * 4 + 1023) / 1024 * 1024 : STAGE_BYTES;
+    static constexpr int N = QST ? (RING / BYTES < 8 ? RING / BYTES : 8) : STAGES;
+    static_assert(N >= 2, "the ring holds fewer than two stages");
+};
 
 #include "cuda_common.cuh"
 #include "grouped_common.cuh"
@@ -93,58 +127,61 @@ __device__ __forceinline__ u32 act_smem(int r, int p) {
 template <int Q>
 __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, const float* xs, int n_table, int K,
                                          int row_tile, int n_out, unsigned char* smem, const int* slot_unit,
-                                         float (*acc)[8][4]) {
+                                         float (*acc)[NPW / 8][4]) {
     constexpr int NP_HI = Q < 4 ? Q : 4;
     constexpr int NP_LO = Q > 4 ? Q - 4 : 0;
+    using R = Ring<Q>;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int wr = warp & 3, wn = warp >> 2;
+    const int wr = warp & 3, wn = WGR == 2 ? 0 : warp >> 2, wgr = WGR == 2 ? warp >> 2 : 0;
     const int chunks = K / CHUNK, ngroups = K / G;
     const u32 smem_base = smem_u32(smem);
 
-    // --- this thread's copies: piece (tid & 15) of slot rows (tid >> 4) + r NTHREADS / 16 (r = 0..7): each warp
+    // --- this thread's copies: piece (tid & 15) of slot rows (tid >> 4) + r NTHREADS / 16 (r < A_PER): each warp
     // instruction reads two whole 256-byte rows (coalesced), and writes them without bank conflicts
     const int a_piece = tid & 15;
-    u32 a_off[8];     // element offset of the row's piece in x (the host checks that it fits 32 bits)
-    u32 a_bytes = 0;  // bit r: row r is a real pair
+    u32 a_off[A_PER];  // element offset of the row's piece in x (the host checks that it fits 32 bits)
+    u32 a_bytes = 0;   // bit r: row r is a real pair
 #pragma unroll
-    for (int r = 0; r < 8; ++r) {
+    for (int r = 0; r < A_PER; ++r) {
         const int u = slot_unit[(tid >> 4) + r * (NTHREADS / 16)];
         a_off[r] = (u >= 0 ? (u32)u * (u32)K : 0u) + (u32)(a_piece * 8);
         if (u >= 0) a_bytes |= 1u << r;
     }
-    // ... plane piece of shared row (tid & 127), planes (tid >> 7) + NTHREADS / 128 * i
-    const int p_row = tid & 127;
+    // ... plane piece of shared row (tid % BROWS), planes tid / BROWS + NTHREADS / BROWS * i; MODE 1's last row tile
+    // may reach past the N rows (N a multiple of 128): those rows read zeros and are never stored
+    const int p_row = tid % BROWS;
     int grow;
     {
         const int T = p_row >> 4, rr = p_row & 15;
 #if MODE == 0
-        const int n = 64 * row_tile + 8 * T + (rr & 7);
+        const int n = (BROWS / 2) * row_tile + 8 * T + (rr & 7);
         grow = rr < 8 ? n : n_out + n;
 #else
         grow = BROWS * row_tile + p_row;
 #endif
     }
-    const long long p_off = (long long)grow * (K >> 3);
+    const u32 p_bytes = MODE == 1 && grow >= n_out ? 0u : 16u;
+    const long long p_off = p_bytes ? (long long)grow * (K >> 3) : 0;
     // ... and the group sum of slot row tid (tid < BM)
     const int s_unit = tid < BM ? slot_unit[tid] : -1;
     const float* s_src = xs + (s_unit >= 0 ? (long long)s_unit * ngroups : 0);
 
     auto issue = [&](int c) {
         if (c < chunks) {
-            const u32 base = smem_base + (u32)((c % STAGES) * STAGE_BYTES);
+            const u32 base = smem_base + (u32)((c % R::N) * R::BYTES);
 #pragma unroll
-            for (int r = 0; r < 8; ++r)
+            for (int r = 0; r < A_PER; ++r)
                 cp_async16(base + act_smem((tid >> 4) + r * (NTHREADS / 16), a_piece), x + a_off[r] + c * CHUNK,
                            (a_bytes >> r) & 1 ? 16u : 0u);
 #pragma unroll
-            for (int i = 0; i < (Q * 128 + NTHREADS - 1) / NTHREADS; ++i) {
-                const int p = (tid >> 7) + (NTHREADS / 128) * i;
+            for (int i = 0; i < (Q * BROWS + NTHREADS - 1) / NTHREADS; ++i) {
+                const int p = tid / BROWS + (NTHREADS / BROWS) * i;
                 if (p < Q)
                     cp_async16(base + ACT_STAGE + p * PL_STAGE + p_row * 16,
-                               (const unsigned char*)prow[2 + p] + p_off + (long long)c * 16, 16u);
+                               (const unsigned char*)prow[2 + p] + p_off + (long long)c * 16, p_bytes);
             }
-            if (tid < BM) cp_async4(base + SUM_OFF + tid * 4, s_src + (c * CHUNK) / G, s_unit >= 0 ? 4u : 0u);
+            if (tid < BM) cp_async4(base + R::SUM + tid * 4, s_src + (c * CHUNK) / G, s_unit >= 0 ? 4u : 0u);
         }
         cp_async_commit();
     };
@@ -157,10 +194,11 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
 #if MODE == 0
-            const int n = 64 * row_tile + 8 * TILE(wr, a) + g;
+            const int n = (BROWS / 2) * row_tile + 8 * TILE(wgr, wr, a) + g;
             const int gr = h == 0 ? n : n_out + n;
 #else
-            const int gr = BROWS * row_tile + 16 * TILE(wr, a) + 8 * h + g;
+            const int r = BROWS * row_tile + 16 * TILE(wgr, wr, a) + 8 * h + g;
+            const int gr = r < n_out ? r : n_out - 1;  // past N (never stored): any real row's table
 #endif
             tab[a][h] = table + (long long)gr * ngroups;
         }
@@ -189,7 +227,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 #endif
 
 #pragma unroll
-    for (int st = 0; st < STAGES - 1; ++st) issue(st);
+    for (int st = 0; st < R::N - 1; ++st) issue(st);
     load_raw(0);
 
     for (int c = 0; c < chunks; ++c) {
@@ -203,10 +241,10 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
                 for (int h = 0; h < 2; ++h) rc[a][h] = make_row_coef<Q>(raw[a][h][0], raw[a][h][1]);
             load_raw(c / (G / CHUNK) + 1);
         }
-        cp_async_wait<STAGES - 2>();
+        cp_async_wait<R::N - 2>();
         __syncthreads();
-        issue(c + STAGES - 1);  // into the slot of chunk c - 1, which every thread has finished
-        const u32 sb = smem_base + (u32)((c % STAGES) * STAGE_BYTES);
+        issue(c + R::N - 1);  // into the slot of chunk c - 1, which every thread has finished
+        const u32 sb = smem_base + (u32)((c % R::N) * R::BYTES);
 
         // codes of this lane's rows: [tile][row g / g + 8][word j]
         u32 hi[2][2][4], lo[2][2][4];
@@ -215,9 +253,9 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
             u32 wa[Q], wb[Q];
 #pragma unroll
             for (int pp = 0; pp < Q / 2; ++pp)
-                ldsm_x4(sb + pl_addr0 + 2 * pp * PL_STAGE + TILE(wr, a) * 256, wa[2 * pp], wb[2 * pp], wa[2 * pp + 1],
-                        wb[2 * pp + 1]);
-            if (Q & 1) ldsm_x2(sb + pl_addr_odd + TILE(wr, a) * 256, wa[Q - 1], wb[Q - 1]);
+                ldsm_x4(sb + pl_addr0 + 2 * pp * PL_STAGE + TILE(wgr, wr, a) * 256, wa[2 * pp], wb[2 * pp],
+                        wa[2 * pp + 1], wb[2 * pp + 1]);
+            if (Q & 1) ldsm_x2(sb + pl_addr_odd + TILE(wgr, wr, a) * 256, wa[Q - 1], wb[Q - 1]);
             codes_of<NP_HI>(wa, hi[a][0]);
             codes_of<NP_HI>(wb, hi[a][1]);
             if constexpr (NP_LO > 0) {
@@ -241,10 +279,15 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
                 // pieces (j, e0), (j, e0 + 1) of this warpgroup's 64 pairs: 32 bytes into the atom's rows (the
                 // hardware applies the swizzle to the address), 8-row groups 1024 bytes apart
                 const int p0 = 4 * j + e0;
-                const u64 desc = wg_desc(sb + (u32)((p0 >> 3) * BM * 128 + 64 * wn * 128 + (p0 & 7) * 16), 16, 1024);
+                const u64 desc = wg_desc(sb + (u32)((p0 >> 3) * BM * 128 + NPW * wn * 128 + (p0 & 7) * 16), 16, 1024);
                 wg_fence();
+#if NPW == 128
+                wgmma_m64n128k16(acc[0], af[0], desc);
+                wgmma_m64n128k16(acc[1], af[1], desc);
+#else
                 wgmma_m64n64k16(acc[0], af[0], desc);
                 wgmma_m64n64k16(acc[1], af[1], desc);
+#endif
                 wg_commit();
                 wg_wait<1>();  // the A registers of the step before are free again
 #else
@@ -267,10 +310,10 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 #if WGMMA
             wg_wait<0>();
 #endif
-            const float* S = (const float*)(smem + (c % STAGES) * STAGE_BYTES + SUM_OFF);
+            const float* S = (const float*)(smem + (c % R::N) * R::BYTES + R::SUM);
 #pragma unroll
-            for (int nt = 0; nt < 8; ++nt) {
-                const float2 sv = *(const float2*)(S + 64 * wn + 8 * nt + 2 * t);
+            for (int nt = 0; nt < NPW / 8; ++nt) {
+                const float2 sv = *(const float2*)(S + NPW * wn + 8 * nt + 2 * t);
 #pragma unroll
                 for (int a = 0; a < 2; ++a) {
                     acc[a][nt][0] = fmaf(rc[a][0].z, sv.x, acc[a][nt][0]);
@@ -296,23 +339,25 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
     unsigned char* smem = align_1024(smem_raw);
     __shared__ int slot_pair[BM];  // pair of each slot, -1 for padding
     __shared__ int slot_unit[BM];  // activation row of each slot, -1 for padding
-    // row tiles fastest: the blocks in flight share a few token blocks' activations (L2-resident) and stream
-    // the expert's planes, which the token blocks of one expert then find in L2 in turn
-    const int row_tile = blockIdx.x, tb = blockIdx.y;
+    // TBG consecutive token blocks fastest, then row tiles: the blocks in flight share a few token blocks'
+    // activations (L2-resident); with TBG > 1 the token blocks of one expert read each row tile's planes from HBM
+    // once and find them in L2 in turn (TBG = 1: row tiles fastest, and the expert's planes stream past each
+    // token block)
+    const int row_tile = blockIdx.x / TBG, tb = blockIdx.y * TBG + blockIdx.x % TBG;
     if (tb * BM >= post_pad[0]) return;
     const int expert = expert_ids[tb];
     if (expert < 0 || expert >= num_experts) return;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int wr = warp & 3, wn = warp >> 2;
+    const int wr = warp & 3, wn = WGR == 2 ? 0 : warp >> 2, wgr = WGR == 2 ? warp >> 2 : 0;
     fill_slots<BM>(sorted_ids, tb, num_pairs, topk, xunit_per_pair, slot_pair, slot_unit);
     __syncthreads();
 
-    float acc[2][8][4];
+    float acc[2][NPW / 8][4];
 #pragma unroll
     for (int a = 0; a < 2; ++a)
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) acc[a][nt][0] = acc[a][nt][1] = acc[a][nt][2] = acc[a][nt][3] = 0.f;
+        for (int nt = 0; nt < NPW / 8; ++nt) acc[a][nt][0] = acc[a][nt][1] = acc[a][nt][2] = acc[a][nt][3] = 0.f;
 
     const long long* prow = page_table + (long long)expert * pt_stride;
     const int q = (int)prow[0];
@@ -321,33 +366,34 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
 #undef CALL_MAIN
 
 #if MODE == 0
-    // act = gate_act(gate) * up for (n, pair) into a [BM][64] tile in shared memory (the pipeline is drained) ...
+    // act = gate_act(gate) * up for (n, pair) into a [BM][BROWS / 2] tile in shared memory (the pipeline is
+    // drained) ...
     __syncthreads();
     u16* tile = (u16*)smem;
 #pragma unroll
     for (int a = 0; a < 2; ++a)
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
+        for (int nt = 0; nt < NPW / 8; ++nt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const float gte = acc[a][nt][h], up = acc[a][nt][2 + h];
-                const int slot = 64 * wn + 8 * nt + 2 * t + h;
-                tile[slot * 64 + 8 * TILE(wr, a) + g] = f2ct(gate_act(gte) * up);
+                const int slot = NPW * wn + 8 * nt + 2 * t + h;
+                tile[slot * (BROWS / 2) + 8 * TILE(wgr, wr, a) + g] = f2ct(gate_act(gte) * up);
             }
     __syncthreads();
     // ... then out in w2's order
-    store_w2_input<BM, NTHREADS>(tile, slot_pair, act_out, xs_out, row_tile, n_out, g_out);
+    store_w2_input<BM, NTHREADS, BROWS / 2>(tile, slot_pair, act_out, xs_out, row_tile, n_out, g_out);
     (void)acc_out; (void)topk_weights; (void)apply_w_in;
 #else
 #pragma unroll
     for (int a = 0; a < 2; ++a)
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
+        for (int nt = 0; nt < NPW / 8; ++nt)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                const int n = BROWS * row_tile + 16 * TILE(wr, a) + g + (c >= 2 ? 8 : 0);
-                const int p = slot_pair[64 * wn + 8 * nt + 2 * t + (c & 1)];
-                if (p < 0) continue;
+                const int n = BROWS * row_tile + 16 * TILE(wgr, wr, a) + g + (c >= 2 ? 8 : 0);
+                const int p = slot_pair[NPW * wn + 8 * nt + 2 * t + (c & 1)];
+                if (p < 0 || n >= n_out) continue;
                 const float v = apply_w_in ? acc[a][nt][c] : acc[a][nt][c] * topk_weights[p];
                 atomicAdd(acc_out + (long long)(p / topk) * n_out + n, v);
             }

@@ -338,7 +338,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_ws_gemm(
     }
     __syncthreads();
     // ... then out in w2's order
-    store_w2_input<BN, NTHREADS>(tile, slot_pair, act_out, xs_out, row_tile, n_out, g_out);
+    store_w2_input<BN, NTHREADS, 64>(tile, slot_pair, act_out, xs_out, row_tile, n_out, g_out);
     (void)acc_out; (void)topk_weights; (void)apply_w_in;
 #else
     if (tid < NCONS) {

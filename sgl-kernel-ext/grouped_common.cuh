@@ -156,34 +156,40 @@ __device__ __forceinline__ u32 weight_pair(u32 hi, u32 lo, int e, const RowCoef&
     }
 }
 
-// w13's epilogue, second half: the block's [ROWS pairs][64] tile of silu(gate) * up (the compute type, in shared
-// memory) out in w2's order (slot row, 8-byte part (4 values) of piece (j, e) at half (n0 / 64) & 1 of its chunk),
-// with each part's sum added to the pair's group sum (float32 atomics); NT threads, every warp whole. Needs CHUNK.
-template <int ROWS, int NT>
+// w13's epilogue, second half: the block's [ROWS pairs][OUTS] tile of silu(gate) * up (the compute type, in shared
+// memory; OUTS = 64: half (n0 / 64) & 1 of a chunk of w2's input, 128: a whole chunk) out in w2's order (slot row,
+// the OUTS / 16 values of piece (j, e) that fall in the block's outputs), with each piece's sum added to the pair's
+// group sum (float32 atomics); NT threads, every warp whole. Needs CHUNK.
+template <int ROWS, int NT, int OUTS>
 __device__ __forceinline__ void store_w2_input(const u16* tile, const int* slot_pair, u16* act_out, float* xs_out,
                                                int row_tile, int n_out, int g_out) {
-    const int n0 = 64 * row_tile;
-    const int half = (n0 >> 6) & 1;
+    static_assert(OUTS == 64 || OUTS == 128, "a block writes half a chunk or a whole one");
+    constexpr int TT = OUTS / 32;  // lane quarters t of the chunk inside the block's outputs
+    const int n0 = OUTS * row_tile;
+    const int half = OUTS == 64 ? (n0 >> 6) & 1 : 0;
     for (int idx = threadIdx.x; idx < ROWS * 16; idx += NT) {
         const int slot = idx >> 4, piece = idx & 15;
         const int j = piece >> 2, e = piece & 3;
-        u16 v[4];
+        u16 v[2 * TT];
         float part = 0.f;
 #pragma unroll
-        for (int tt = 0; tt < 2; ++tt)
+        for (int tt = 0; tt < TT; ++tt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                v[2 * tt + h] = tile[slot * 64 + 32 * tt + 4 * (e + 4 * h) + j];
+                v[2 * tt + h] = tile[slot * OUTS + 32 * tt + 4 * (e + 4 * h) + j];
                 part += ct2f(v[2 * tt + h]);
             }
 #pragma unroll
         for (int d = 8; d > 0; d >>= 1) part += __shfl_xor_sync(0xffffffffu, part, d);
         const int p = slot_pair[slot];
         if (p >= 0) {
-            uint2 pk;
-            pk.x = (u32)v[0] | ((u32)v[1] << 16);
-            pk.y = (u32)v[2] | ((u32)v[3] << 16);
-            *(uint2*)(act_out + (long long)p * n_out + (n0 >> 7) * CHUNK + piece * 8 + 4 * half) = pk;
+            u16* dst = act_out + (long long)p * n_out + (n0 >> 7) * CHUNK + piece * 8 + 4 * half;
+            if constexpr (OUTS == 64) {
+                *(uint2*)dst = make_uint2((u32)v[0] | ((u32)v[1] << 16), (u32)v[2] | ((u32)v[3] << 16));
+            } else {
+                *(uint4*)dst = make_uint4((u32)v[0] | ((u32)v[1] << 16), (u32)v[2] | ((u32)v[3] << 16),
+                                          (u32)v[4] | ((u32)v[5] << 16), (u32)v[6] | ((u32)v[7] << 16));
+            }
             if (piece == 0) atomicAdd(xs_out + (long long)p * (n_out / g_out) + n0 / g_out, part);
         }
     }

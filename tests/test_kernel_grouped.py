@@ -44,6 +44,13 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the grouped kernel is CUDA
 # four stages
 WS_MAIN = (GroupedConfig(1, 3, ws=True), GroupedConfig(2, 3, ws=True))
 WS_CONFIGS = (*WS_MAIN, GroupedConfig(2, 2, ws=True), GroupedConfig(1, 4, ws=True))
+# 256-row blocks (two warpgroups along the rows): both pair widths, and every pipeline depth that fits; stages cut
+# to each bitwidth's planes (q_stages: 1-8-bit experts of one launch each run their own ring); token blocks grouped
+# per row tile (tb_group: a last group past the token blocks)
+R256_MAIN = (GroupedConfig(1, 4, rows=256), GroupedConfig(2, 3, rows=256, q_stages=True))
+R256_CONFIGS = (*R256_MAIN, GroupedConfig(1, 2, rows=256), GroupedConfig(2, 3, rows=256),
+                GroupedConfig(1, 4, rows=256, q_stages=True), GroupedConfig(1, 3, q_stages=True),
+                GroupedConfig(2, 3, rows=256, q_stages=True, tb_group=4), GroupedConfig(1, 3, tb_group=2))
 
 
 # ---------------------------------------------------------------- CPU: build, fragment order, algebra, configs
@@ -58,6 +65,13 @@ def test_every_variant_compiles_for_sm90(mode):
                 cfg = GroupedConfig(wn=wn, stages=stages, wgmma=wgmma)
                 jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, bits_max, group, compute),
                                               gemm_arch(cfg, "90")))
+    for wn in (1, 2):  # 256-row blocks, within one block's shared memory
+        for bits_max, group, compute, stages, qst in ((8, 128, 0, 4 - wn, True), (4, 256, 1, 4, False),
+                                                      (3, 128, 0, 2, True)):
+            cfg = GroupedConfig(wn=wn, stages=stages, rows=256, q_stages=qst)
+            assert cfg.shared_bytes(bits_max) <= SHARED_LIMIT
+            jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, bits_max, group, compute),
+                                          gemm_arch(cfg, "90")))
     for wn in (1, 2):  # the warp-specialized kernel, within one block's shared memory
         for bits_max, group, compute, stages in ((8, 128, 0, 3), (4, 256, 1, 2), (3, 128, 0, 4 - wn)):
             cfg = GroupedConfig(wn=wn, stages=stages, ws=True)
@@ -79,15 +93,24 @@ def _perm(k: int) -> int:
 
 def test_activation_orders_agree():
     """The prep order is a permutation of each chunk, and w13's epilogue (64 outputs per block, the block's half of
-    a chunk) writes every output exactly where the prep order puts that input of w2."""
+    a chunk; or 128, a whole chunk, at 256 rows) writes every output exactly where the prep order puts that input
+    of w2 (grouped_common.cuh store_w2_input: element 4 half + 2 tt + h of piece (j, e) <- tile column
+    32 tt + 4 (e + 4 h) + j)."""
     assert sorted(_perm(k) for k in range(CHUNK)) == list(range(CHUNK))
-    for half in (0, 1):
-        for piece in range(16):
-            j, e = piece >> 2, piece & 3
-            for tt in range(2):
-                for h in range(2):
-                    n_local = 32 * tt + 4 * (e + 4 * h) + j
-                    assert piece * 8 + 4 * half + 2 * tt + h == _perm(64 * half + n_local)
+    for outs in (64, 128):
+        for row_tile in range(4):
+            n0 = outs * row_tile
+            half = (n0 >> 6) & 1 if outs == 64 else 0
+            locals_ = []
+            for piece in range(16):
+                j, e = piece >> 2, piece & 3
+                for tt in range(outs // 32):
+                    for h in range(2):
+                        n_local = 32 * tt + 4 * (e + 4 * h) + j
+                        pos = (n0 >> 7) * CHUNK + piece * 8 + 4 * half + 2 * tt + h
+                        assert pos == (n0 + n_local) // CHUNK * CHUNK + _perm((n0 + n_local) % CHUNK)
+                        locals_.append(n_local)
+            assert sorted(locals_) == list(range(outs))  # every output of the block, once
 
 
 def _bf16(v: float) -> float:
@@ -191,6 +214,18 @@ def test_configs_and_refusals():
         GroupedConfig(stages=5)
     with pytest.raises(ValueError, match="wgmma=True"):
         GroupedConfig(ws=True, wgmma=False)
+    with pytest.raises(ValueError, match="q_stages"):
+        GroupedConfig(ws=True, q_stages=True)
+    with pytest.raises(ValueError, match="tb_group must be"):
+        GroupedConfig(tb_group=3)
+    with pytest.raises(ValueError, match="rows must be 128 or 256"):
+        GroupedConfig(rows=192)
+    for bad in (dict(ws=True), dict(wgmma=False)):
+        with pytest.raises(ValueError, match="single-role wgmma"):
+            GroupedConfig(rows=256, **bad)
+    r256 = GroupedConfig(wn=2, stages=3, rows=256)
+    assert r256.threads == 256 and r256.shared_bytes(8) == 3 * 65 * 1024 + 1024  # 128 pairs + 8 planes x 256 rows
+    assert GroupedConfig(wn=1, stages=4, rows=256).shared_bytes(8) <= SHARED_LIMIT < r256.shared_bytes(8) + 65 * 1024
     ws = GroupedConfig(wn=2, stages=3, ws=True)
     assert ws.threads == 384 and ws.shared_bytes(8) == 3 * 49 * 1024 + 2 * 32 * 1024 + 1024  # + two weight tiles
     assert GroupedConfig(wn=2, stages=4, ws=True).shared_bytes(8) > SHARED_LIMIT
@@ -244,7 +279,7 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
     x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
     ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
     for cfg in (GroupedConfig(1, 2), GroupedConfig(2, 3), GroupedConfig(2, 4), GroupedConfig(1, 3, wgmma=False),
-                GroupedConfig(2, 2, wgmma=False), *WS_CONFIGS):
+                GroupedConfig(2, 2, wgmma=False), *WS_CONFIGS, *R256_CONFIGS):
         out = ap_fused_moe_grouped(x, tw, ids, p13.weights, p2.weights, config=cfg)
         assert rel_err(out, ref) < 2e-2, cfg
 
@@ -258,7 +293,7 @@ def test_moe_group_sizes_and_real_intermediate(group, inter):
         x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
         ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
         assert rel_err(ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel="grouped"), ref) < 2e-2
-        for cfg in WS_MAIN:
+        for cfg in (*WS_MAIN, *R256_MAIN):
             assert rel_err(ap_fused_moe_grouped(x, tw, ids, p13.weights, p2.weights, config=cfg), ref) < 2e-2, cfg
 
 
@@ -270,7 +305,7 @@ def test_moe_large_activations_and_uniform_bits():
     x = (torch.rand(150, 512, device="cuda") * 1e5).to(torch.bfloat16)
     ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
     assert rel_err(ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel="grouped"), ref) < 2e-2
-    for cfg in WS_MAIN:
+    for cfg in (*WS_MAIN, *R256_MAIN):
         assert rel_err(ap_fused_moe_grouped(x, tw, ids, p13.weights, p2.weights, config=cfg), ref) < 2e-2, cfg
 
 
@@ -281,7 +316,7 @@ def test_moe_skips_non_local_experts():
     ids[::3, 1] = -1
     x = torch.randn(100, 256, device="cuda", dtype=torch.bfloat16)
     ref = ap_fused_moe_reference(x.float(), torch.where(ids < 0, 0.0, tw), ids.clamp(min=0), p13.weights, p2.weights)
-    for cfg in (GroupedConfig(1), GroupedConfig(2, wgmma=False), *WS_MAIN):
+    for cfg in (GroupedConfig(1), GroupedConfig(2, wgmma=False), *WS_MAIN, *R256_MAIN):
         assert rel_err(ap_fused_moe_grouped(x, tw, ids, p13.weights, p2.weights, config=cfg), ref) < 2e-2, cfg
 
 
@@ -290,3 +325,7 @@ def test_moe_graph_replay_follows_rewritten_page_table():
     p13, p2 = _layer(8, 256, 256, [8] * 8, [8] * 8)
     check_graph_replay(p13, p2, m=120, topk=2, kernel="grouped",
                        bit_mixes=([8] * 8, [3] * 8, [2, 5, 8, 3, 4, 6, 7, 1]))
+    for cfg in R256_MAIN:
+        check_graph_replay(p13, p2, m=120, topk=2, kernel="grouped", bit_mixes=([3] * 8, [2, 5, 8, 3, 4, 6, 7, 1]),
+                           call=lambda x, tw, ids, w13, w2, cfg=cfg: ap_fused_moe_grouped(x, tw, ids, w13, w2,
+                                                                                          config=cfg))
