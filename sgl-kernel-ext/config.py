@@ -226,9 +226,11 @@ def prefer_fold(num_tokens: int, topk: int, num_experts: int, intermediate: int)
 # kernels: from GROUPED_MIN_PAIRS_PER_EXPERT pairs per expected expert hit it replaces the tile kernels and the
 # dequantize-then-GEMM prefill path (it decodes the planes in its mainloop: no scratch).
 # Up to GROUPED_MAX_PAIRS_PER_EXPERT: beyond it the dequantize-then-GEMM path, which rebuilds each expert once
-# into a scratch, is still faster (both timed side by side: docs/results/kernel.md, run 18).
+# into a scratch, is still faster. With 256-row blocks (session 28, H100, docs/results/kernel.md) the grouped kernel
+# wins up to ~550 pairs per expert (Mixtral M = 2048, 512 per expert: 4.26 vs 4.86 ms; Qwen3-30B-A3B and
+# Qwen1.5-MoE at M = 8192: 2.81 vs 2.90, 2.21 vs 2.46) and loses at 2048 (Mixtral M = 8192: 16.0 vs 14.5 ms).
 GROUPED_MIN_PAIRS_PER_EXPERT = 16.0
-GROUPED_MAX_PAIRS_PER_EXPERT = 256.0
+GROUPED_MAX_PAIRS_PER_EXPERT = 1024.0  # between the two measured sides
 
 
 def prefer_grouped(num_tokens: int, topk: int, num_experts: int) -> bool:

@@ -50,6 +50,10 @@ class GroupedConfig:
     wn: int = 2  # 64 * wn pairs per block (the single-role kernel at 128 rows: 4 * wn warps)
     stages: int = 3  # chunks of 128 inputs in flight in shared memory
     wgmma: bool = True  # warpgroup MMA (sm_90a: Hopper) rather than mma.sync (any sm_80+ GPU)
+    # warp-specialized (cuda_grouped_ws.cu, sm_90a): a producer warpgroup loads and decodes each chunk once into
+    # shared memory while two consumer warpgroups run wgmma with both operands there
+    ws: bool = False
+    l2_prefetch: int = 0  # L2 prefetch size (bytes) of the 16-byte copies: 0, 128 or 256
     # weight rows per block: 256 puts two warpgroups side by side along the rows, each multiplying its 128 rows by
     # all 64 * wn pairs (wgmma m64n(64 wn)k16), so each weight is decoded once per block and each activation byte
     # read from L2 feeds twice the rows (single-role wgmma kernel only)
@@ -61,10 +65,6 @@ class GroupedConfig:
     # token blocks launched back to back on one row tile (single-role kernel): 1 sweeps all row tiles per token
     # block; more let the token blocks of one expert share each row tile's planes through L2
     tb_group: int = 1
-    # warp-specialized (cuda_grouped_ws.cu, sm_90a): a producer warpgroup loads and decodes each chunk once into
-    # shared memory while two consumer warpgroups run wgmma with both operands there
-    ws: bool = False
-    l2_prefetch: int = 0  # L2 prefetch size (bytes) of the 16-byte copies: 0, 128 or 256
 
     def __post_init__(self) -> None:
         if self.wn not in (1, 2):
@@ -177,17 +177,20 @@ def compile_to_cubin(defines: list[str], compute_capability: str, name: str = "a
     return compile_cubin(source, name, compute_capability, defines)
 
 
-# Pairs per expert from which blocks of 128 pairs (8 warps) replace blocks of 64 (4 warps): fewer plane
-# rebuilds per weight against more padding of each expert's last block and half the blocks. H200, 4 bits
-# (benchmark/grouped_sweep.py, docs/results/kernel.md session 12): 64 pairs per block ahead at Qwen3-30B-A3B
-# M = 2048 (128 per expert: 0.98 vs 1.13 ms) and Mixtral M = 256 (64: 1.07 vs 1.28 ms), 128 ahead only at Mixtral
-# M = 2048 (512: 5.51 vs 5.62 ms). Three stages beat four everywhere, wgmma beat mma.sync everywhere.
-WIDE_BLOCK_MIN_PAIRS_PER_EXPERT = 256
+# Pairs per expert from which the default block is 256 weight rows x 128 pairs (two warpgroups along the rows, each
+# weight decoded once per block) instead of 128 rows x 64 pairs. H100, 4 bits, whole call (benchmark/grouped_sweep.py,
+# docs/results/kernel.md session 28): 256 x 128 ahead from 128 pairs per expert (Qwen3-30B-A3B M = 2048: 0.92 vs
+# 0.98 ms, Mixtral M = 512: 1.60 vs 1.78, M = 2048: 4.26 vs 5.44 with 128 x 128), 128 x 64 ahead below it (Qwen3
+# M = 512, 32 per expert: 0.42 vs 0.60 ms; Mixtral M = 256). Three stages; stages cut to the expert's own planes
+# (q_stages) and token-block groups (tb_group) measured within noise of it, so off.
+ROWS256_MIN_PAIRS_PER_EXPERT = 128
 
 
 def default_grouped_config(m: int, topk: int, num_experts: int) -> GroupedConfig:
     per_expert = m * topk / max(1, num_experts)
-    return GroupedConfig(wn=2 if per_expert >= WIDE_BLOCK_MIN_PAIRS_PER_EXPERT else 1)
+    if per_expert >= ROWS256_MIN_PAIRS_PER_EXPERT:
+        return GroupedConfig(wn=2, stages=3, rows=256)
+    return GroupedConfig(wn=1, stages=3)
 
 
 def ap_fused_moe_grouped(

@@ -185,11 +185,12 @@ def test_lanes_feed_mma_the_dot_product(q):
 
 
 def test_dispatch_rule():
-    """From 16 to 256 pairs per expected expert hit (the fold, MMA and LUT rules are asked first; beyond it the
+    """From 16 to 1024 pairs per expected expert hit (the fold, MMA and LUT rules are asked first; beyond it the
     dequantize-then-GEMM path)."""
     assert prefer_grouped(256, 2, 8) and prefer_grouped(2048, 8, 128) and prefer_grouped(512, 4, 60)
+    assert prefer_grouped(2048, 2, 8) and prefer_grouped(8192, 8, 128) and prefer_grouped(8192, 4, 60)
     assert not prefer_grouped(16, 2, 8) and not prefer_grouped(64, 8, 128) and not prefer_grouped(1, 8, 128)
-    assert not prefer_grouped(2048, 2, 8) and not prefer_grouped(8192, 8, 128)
+    assert not prefer_grouped(4096, 2, 8) and not prefer_grouped(8192, 2, 8)
 
 
 def test_l2_prefetch_hint_reaches_both_grouped_kernels():
@@ -206,7 +207,10 @@ def test_l2_prefetch_hint_reaches_both_grouped_kernels():
 
 
 def test_configs_and_refusals():
-    assert default_grouped_config(2048, 2, 8).block_m == 128 and default_grouped_config(256, 8, 128).block_m == 64
+    # 256 rows x 128 pairs from 128 pairs per expert, 128 rows x 64 pairs below
+    assert default_grouped_config(2048, 2, 8) == GroupedConfig(wn=2, stages=3, rows=256)
+    assert default_grouped_config(2048, 8, 128).rows == 256 and default_grouped_config(512, 2, 8).rows == 256
+    assert default_grouped_config(256, 8, 128) == GroupedConfig(wn=1, stages=3) == default_grouped_config(256, 2, 8)
     assert GroupedConfig(wn=2, stages=3).shared_bytes(8) == 3 * 49 * 1024 + 1024  # 48.5 KB stages, 1 KB aligned
     with pytest.raises(ValueError, match="wn"):
         GroupedConfig(wn=3)
