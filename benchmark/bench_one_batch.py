@@ -15,6 +15,10 @@ stock would read a fraction of the expert bytes the PagedWeight run reads.
 every other size pays for compiling that size's kernels (Triton, NVRTC, autotuning) inside its timed latency. With
 the flag, each (batch size, input length) of the sweep first runs once untimed (8 output tokens) and then timed, so
 prefill latencies compare across systems at every batch size.
+
+`--result-filename F`: SGLang appends every size's result to F only after the whole sweep, so a sweep that dies at
+its last size (an out-of-memory at batch 64) leaves nothing; this wrapper appends each timed size's row the moment it
+is measured instead (same JSON lines, SGLang's own write turned off), and the sizes before a failure survive.
 """
 
 import inspect
@@ -39,6 +43,43 @@ def install_unit_norms() -> None:
         return result
 
     ModelRunner.load_model = load_model_with_unit_norms
+
+
+def install_result_per_batch(result_filename: str) -> None:
+    """Append each timed run's result to `result_filename` as it returns (rank 0); the first call is SGLang's warmup."""
+    import json
+
+    from sglang.benchmark import one_batch
+
+    run_once = one_batch.latency_test_run_once
+    signature = inspect.signature(run_once)
+    seen_warmup = []
+
+    def run_once_and_write(*args, **kwargs):
+        result = run_once(*args, **kwargs)
+        if not seen_warmup:
+            seen_warmup.append(True)
+            return result
+        if result is not None and signature.bind(*args, **kwargs).arguments["tp_rank"] == 0:
+            with open(result_filename, "a") as f:
+                f.write(json.dumps(result) + "\n")
+        return result
+
+    one_batch.latency_test_run_once = run_once_and_write
+
+
+def take_result_filename(argv: list[str]) -> str | None:
+    """Remove `--result-filename F` (or `=F`) from argv and hand SGLang an empty one (its end-of-sweep write off)."""
+    for i, arg in enumerate(argv):
+        if arg == "--result-filename" and i + 1 < len(argv):
+            path = argv[i + 1]
+            argv[i:i + 2] = ["--result-filename", ""]
+            return path or None
+        if arg.startswith("--result-filename="):
+            path = arg.split("=", 1)[1]
+            argv[i] = "--result-filename="
+            return path or None
+    return None
 
 
 def install_warmup_every_batch() -> None:
@@ -77,6 +118,9 @@ if __name__ == "__main__":
     if "--warmup-every-batch" in sys.argv:
         sys.argv.remove("--warmup-every-batch")
         install_warmup_every_batch()
+    result_filename = take_result_filename(sys.argv)
+    if result_filename is not None:
+        install_result_per_batch(result_filename)  # outside the warmups: sees SGLang's calls only
 
     from sglang.benchmark.one_batch import cli_main
 

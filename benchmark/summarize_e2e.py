@@ -12,8 +12,11 @@ Per model and batch size the headline holds, each `{model: {batch: x}}`:
 - `decode_ratio_vs_stock_bf16` (and `_scope_all`);
 - `prefill_ratio_vs_stock_bf16`: stock bf16's prefill time over PagedWeight's (> 1: PagedWeight faster), and
   `prefill_ratio_vs_stock_fp8`.
-A model whose run misses a system has no entry in the keys that need it. `--merge` keeps every key of an existing
-file (the older sessions' cases) and replaces the headline and this run's section.
+A model whose run misses a system has no entry in the keys that need it. The headline names a model run with fewer
+layers (`mixtral_16l`) by its family (`mixtral`) and records the layer count in `headline_layers`. `--merge` keeps
+every key of an existing file (the older sessions' cases) and the runs of the models this call did not run (one
+model per device call: the headline covers all of them), replacing this call's models; `e2e_meta` keeps each
+model's meta (commit, machine, call).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 SYSTEMS = ("bf16", "fp8", "ap4", "ap4_all")
 NAME = re.compile(r"^e2e_(?P<model>.+)_(?P<system>bf16|fp8|ap4_all|ap4)\.jsonl$")
+LAYERS = re.compile(r"^(?P<family>.+)_(?P<layers>\d+)l$")  # gpu_session.sh's tag of a run with --num-layers
 
 
 def load_runs(directory: Path) -> dict[str, dict[str, dict[int, dict]]]:
@@ -63,9 +67,20 @@ RATIOS = {
 }
 
 
+def family(tag: str) -> str:
+    m = LAYERS.match(tag)
+    return m["family"] if m else tag
+
+
 def headline(runs: dict) -> dict:
-    return {key: {model: r for model, sys_runs in runs.items() if (r := _ratio(sys_runs, *spec))}
+    return {key: {family(model): r for model, sys_runs in runs.items() if (r := _ratio(sys_runs, *spec))}
             for key, spec in RATIOS.items()}
+
+
+def runs_of(e2e_runs: dict) -> dict:
+    """e2e_decode.json's `e2e_runs` ({model: {system: [rows]}}) back into load_runs' form."""
+    return {model: {system: {int(r["batch_size"]): r for r in rows} for system, rows in sys_runs.items()}
+            for model, sys_runs in e2e_runs.items()}
 
 
 def table(runs: dict) -> str:
@@ -98,10 +113,14 @@ def main() -> None:
     if not runs:
         raise SystemExit(f"{args.dir}: no e2e_<model>_<system>.jsonl files (run gpu_session.sh e2e first)")
     doc = json.loads(args.merge.read_text()) if args.merge is not None and args.merge.exists() else {}
-    doc["headline"] = headline(runs)
-    doc["headline_meta"] = json.loads(args.meta)
+    meta = json.loads(args.meta)
+    merged = {**runs_of(doc.get("e2e_runs", {})), **runs}  # this call's models replace theirs
+    doc["headline"] = headline(merged)
+    doc["headline_layers"] = {family(m): int(LAYERS.match(m)["layers"]) for m in merged if LAYERS.match(m)}
+    doc["headline_meta"] = meta
+    doc["e2e_meta"] = {**doc.get("e2e_meta", {}), **{model: meta for model in runs}}
     doc["e2e_runs"] = {model: {system: [rows[bs] for bs in sorted(rows)] for system, rows in sys_runs.items()}
-                       for model, sys_runs in runs.items()}
+                       for model, sys_runs in merged.items()}
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(table(runs))
 

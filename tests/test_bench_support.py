@@ -287,9 +287,45 @@ def test_bench_one_batch_warms_up_every_batch_size(monkeypatch):
 
 
 
+def test_bench_one_batch_writes_each_batch_size_as_measured(tmp_path, monkeypatch):
+    """--result-filename: every timed size's row is in the file as soon as it is measured (a later size that dies
+    leaves the earlier rows), SGLang's warmup is not written, SGLang's own end-of-sweep write gets an empty name."""
+    import json
+
+    from sglang.benchmark import one_batch
+
+    script = _load_script("bench_one_batch")
+    argv = ["x", "--batch-size", "1", "64", "--result-filename", str(tmp_path / "r.jsonl"), "--input-len", "2048"]
+    assert script.take_result_filename(argv) == str(tmp_path / "r.jsonl")
+    assert argv == ["x", "--batch-size", "1", "64", "--result-filename", "", "--input-len", "2048"]
+    argv = ["x", f"--result-filename={tmp_path / 'q.jsonl'}"]
+    assert script.take_result_filename(argv) == str(tmp_path / "q.jsonl") and argv == ["x", "--result-filename="]
+    assert script.take_result_filename(["x", "--batch-size", "1"]) is None
+
+    def fake_run_once(run_name, model_runner, rank_print, reqs, batch_size, input_len, output_len, log_decode_step,
+                      profile, profile_record_shapes, profile_activities, profile_prefix, profile_stage, tp_rank,
+                      profile_start_step=None, profile_steps=None):
+        if batch_size == 64:
+            raise RuntimeError("CUDA out of memory")
+        return {"batch_size": batch_size, "output_len": output_len}
+
+    monkeypatch.setattr(one_batch, "latency_test_run_once", fake_run_once)
+    path = tmp_path / "r.jsonl"
+    script.install_result_per_batch(str(path))
+    run = one_batch.latency_test_run_once
+    run("r", None, print, "w", 1, 2048, 32, 0, False, False, ("CPU",), "", "all", 0)  # SGLang's warmup
+    assert not path.exists()
+    run("r", None, print, "t", 1, 2048, 64, 0, False, False, ("CPU",), "", "all", 0)
+    run("r", None, print, "t", 16, 2048, 64, 0, False, False, ("CPU",), "", "all", tp_rank=1)  # not rank 0
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run("r", None, print, "t", 64, 2048, 64, 0, False, False, ("CPU",), "", "all", 0)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"batch_size": 1, "output_len": 64}]
+
+
 def test_summarize_e2e_writes_the_issue_headline_keys(tmp_path, monkeypatch, capsys):
     """summarize_e2e.py: per model and batch, decode throughput of PagedWeight over stock fp8 / bf16 (both scopes) and
-    stock's prefill time over PagedWeight's; a model missing a system has no entry there; merged keys survive."""
+    stock's prefill time over PagedWeight's; a model missing a system has no entry there; a run with fewer layers
+    is named by its family; merged keys and the merged file's other models survive, this call's replace theirs."""
     import json
     import sys
 
@@ -305,18 +341,25 @@ def test_summarize_e2e_writes_the_issue_headline_keys(tmp_path, monkeypatch, cap
     write("mixtral_16l", "bf16", [(1, 100.0, 0.050)])
     write("mixtral_16l", "ap4", [(1, 150.0, 0.040)])
     old = tmp_path / "e2e_decode.json"
-    old.write_text(json.dumps({"meta": {"session": 8}, "cases": [1, 2]}))
+    old_row = {"batch_size": 1, "median_decode_throughput": 110.0, "prefill_latency": 0.02}
+    old.write_text(json.dumps({"meta": {"session": 8}, "cases": [1, 2], "e2e_meta": {"qwen3moe": {"session": 26}},
+                               "e2e_runs": {"qwen3moe": {"fp8": [dict(old_row, median_decode_throughput=100.0)],
+                                                         "ap4": [old_row]},
+                                            "qwen15moe": {"ap4": [dict(old_row, batch_size=64)]}}}))
     out = tmp_path / "out.json"
     monkeypatch.setattr(sys, "argv", ["summarize_e2e.py", "--dir", str(tmp_path), "--out", str(out), "--merge", str(old),
                                       "--meta", '{"session": 27}'])
     _load_script("summarize_e2e").main()
     doc = json.loads(out.read_text())
     h = doc["headline"]
-    assert h["decode_ratio_vs_stock_fp8"] == {"qwen15moe": {"1": 1.2, "16": 1.1}}
+    assert h["decode_ratio_vs_stock_fp8"] == {"qwen15moe": {"1": 1.2, "16": 1.1}, "qwen3moe": {"1": 1.1}}
     assert h["decode_ratio_vs_stock_fp8_scope_all"] == {"qwen15moe": {"1": 1.28}}
-    assert h["decode_ratio_vs_stock_bf16"] == {"qwen15moe": {"1": 1.5, "16": 1.257}, "mixtral_16l": {"1": 1.5}}
-    assert h["prefill_ratio_vs_stock_bf16"] == {"qwen15moe": {"1": 0.75, "16": 0.8}, "mixtral_16l": {"1": 1.25}}
-    assert h["prefill_ratio_vs_stock_fp8"] == {"qwen15moe": {"1": 0.5, "16": 0.5}}
+    assert h["decode_ratio_vs_stock_bf16"] == {"qwen15moe": {"1": 1.5, "16": 1.257}, "mixtral": {"1": 1.5}}
+    assert h["prefill_ratio_vs_stock_bf16"] == {"qwen15moe": {"1": 0.75, "16": 0.8}, "mixtral": {"1": 1.25}}
+    assert doc["headline_layers"] == {"mixtral": 16}
+    assert doc["e2e_meta"] == {"qwen3moe": {"session": 26}, "qwen15moe": {"session": 27}, "mixtral_16l": {"session": 27}}
+    assert h["prefill_ratio_vs_stock_fp8"] == {"qwen15moe": {"1": 0.5, "16": 0.5}, "qwen3moe": {"1": 1.0}}
     assert doc["meta"] == {"session": 8} and doc["cases"] == [1, 2] and doc["headline_meta"] == {"session": 27}
-    assert [r["batch_size"] for r in doc["e2e_runs"]["qwen15moe"]["ap4"]] == [1, 16]
+    assert [r["batch_size"] for r in doc["e2e_runs"]["qwen15moe"]["ap4"]] == [1, 16]  # this call's, not the file's 64
+    assert doc["e2e_runs"]["qwen3moe"]["ap4"] == [old_row]
     assert "| qwen15moe | 16 | 1400.0 / 1600.0 / 1760.0 / - | 1.1 |" in capsys.readouterr().out
