@@ -65,6 +65,9 @@ class GroupedConfig:
     # token blocks launched back to back on one row tile (single-role kernel): 1 sweeps all row tiles per token
     # block; more let the token blocks of one expert share each row tile's planes through L2
     tb_group: int = 1
+    # w2 (single-role kernel): stage the block's results in shared memory and add them into the output with 16-byte
+    # vector reductions (sm_90), 4x fewer reduction requests than one float32 atomic per value
+    red_v4: bool = False
 
     def __post_init__(self) -> None:
         if self.wn not in (1, 2):
@@ -79,8 +82,8 @@ class GroupedConfig:
             raise ValueError(f"rows must be 128 or 256, got {self.rows}")
         if self.tb_group not in (1, 2, 4, 8):
             raise ValueError(f"tb_group must be 1, 2, 4 or 8, got {self.tb_group}")
-        if (self.q_stages or self.tb_group > 1) and self.ws:
-            raise ValueError("q_stages and tb_group apply to the single-role grouped kernel: pass ws=False")
+        if (self.q_stages or self.tb_group > 1 or self.red_v4) and self.ws:
+            raise ValueError("q_stages, tb_group and red_v4 apply to the single-role grouped kernel: pass ws=False")
         if self.rows == 256 and (self.ws or not self.wgmma):
             raise ValueError("256-row blocks (rows=256) run on the single-role wgmma kernel: pass ws=False, "
                              "wgmma=True")
@@ -105,11 +108,14 @@ class GroupedConfig:
 
     def ring_bytes(self, bits_max: int) -> int:
         """Shared memory of the pipeline's stages: `stages` stages of bits_max planes (each rounded up to 1 KB), or
-        RING_MAX_BYTES for q_stages at 256 rows."""
+        RING_MAX_BYTES for q_stages at 256 rows; with red_v4 at least w2's staged results."""
         if self.q_stages and self.rows == 256:
             return RING_MAX_BYTES
         stage = self.block_m * 256 + bits_max * self.rows * 16 + self.block_m * 4
-        return self.stages * (-(-stage // 1024) * 1024)
+        ring = self.stages * (-(-stage // 1024) * 1024)
+        if self.red_v4:  # w2's results are staged in the ring's memory: [pairs][rows + 4] float32
+            ring = max(ring, -(-self.block_m * (self.rows + 4) * 4 // 1024) * 1024)
+        return ring
 
     def shared_bytes(self, bits_max: int) -> int:
         """Dynamic shared memory: the ring of stages, the warp-specialized kernel's two decoded weight tiles, plus
@@ -155,7 +161,7 @@ def gemm_defines(mode: int, cfg: GroupedConfig, bits_max: int, group_size: int, 
     return [f"-DMODE={mode}", f"-DWN={cfg.wn}", f"-DPMAX={bits_max}", f"-DG={group_size}", f"-DCT={compute}",
             f"-DSTAGES={cfg.stages}", f"-DWGMMA={int(cfg.wgmma)}", f"-DL2PF={cfg.l2_prefetch}",
             f"-DWGR={cfg.rows // ROWS_PER_BLOCK}", f"-DQST={int(cfg.q_stages)}", f"-DTBG={cfg.tb_group}",
-            f"-DRING={cfg.ring_bytes(bits_max)}"]
+            f"-DRING={cfg.ring_bytes(bits_max)}", f"-DREDV={int(cfg.red_v4 and mode == MODE_W2)}"]
 
 
 def gemm_arch(cfg: GroupedConfig, compute_capability: str) -> str:

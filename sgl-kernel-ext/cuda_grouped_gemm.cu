@@ -52,6 +52,9 @@
 #ifndef TBG
 #define TBG 1  // token blocks launched back to back on one row tile (grid: x = row tiles x TBG, y = groups)
 #endif
+#ifndef REDV
+#define REDV 0  // MODE 1: 1 stages the block's results in shared memory and adds them with 16-byte vector reductions
+#endif
 #ifndef QST
 #define QST 0  // 1: each bitwidth's body cuts the stages' shared memory into as many stages (<= 8) as its planes allow
 #endif
@@ -106,6 +109,16 @@ struct Ring {
 #include "cuda_common.cuh"
 #include "grouped_common.cuh"
 #include "gate_act.cuh"
+
+// 16-byte float32 reduction into global memory (sm_90: REDG.E.ADD.F32x4), p 16-byte aligned
+__device__ __forceinline__ void red_add_v4(float* p, float4 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+                 : "memory");
+#else
+    atomicAdd(p, v.x); atomicAdd(p + 1, v.y); atomicAdd(p + 2, v.z); atomicAdd(p + 3, v.w);
+#endif
+}
 
 __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE
@@ -384,6 +397,35 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
     // ... then out in w2's order
     store_w2_input<BM, NTHREADS, BROWS / 2>(tile, slot_pair, act_out, xs_out, row_tile, n_out, g_out);
     (void)acc_out; (void)topk_weights; (void)apply_w_in;
+#elif REDV
+    // the block's [BM pairs][BROWS rows] results through shared memory (the pipeline is drained; rows padded by 4
+    // floats: the fragment stores hit 32 banks), then per 4 consecutive output rows of a pair one 16-byte vector
+    // reduction of them times the routing weight: 4x fewer reduction requests than one per value
+    constexpr int LD = BROWS + 4;
+    static_assert(BM * LD * 4 <= RING, "the staged results must fit in the pipeline's shared memory");
+    __syncthreads();
+    float* stage = (float*)smem;
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int nt = 0; nt < NPW / 8; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                stage[(NPW * wn + 8 * nt + 2 * t + (c & 1)) * LD + 16 * TILE(wgr, wr, a) + g + (c >= 2 ? 8 : 0)] =
+                    acc[a][nt][c];
+    __syncthreads();
+    for (int idx = tid; idx < BM * (BROWS / 4); idx += NTHREADS) {
+        const int slot = idx / (BROWS / 4), r = 4 * (idx % (BROWS / 4));
+        const int p = slot_pair[slot], n = BROWS * row_tile + r;
+        if (p < 0 || n >= n_out) continue;  // n_out is a multiple of 128: a quad is all in or all out
+        float4 v = *(const float4*)(stage + slot * LD + r);
+        if (!apply_w_in) {
+            const float w = topk_weights[p];
+            v.x *= w; v.y *= w; v.z *= w; v.w *= w;
+        }
+        red_add_v4(acc_out + (long long)(p / topk) * n_out + n, v);
+    }
+    (void)act_out; (void)xs_out; (void)g_out; (void)xunit_per_pair;
 #else
 #pragma unroll
     for (int a = 0; a < 2; ++a)

@@ -46,11 +46,14 @@ WS_MAIN = (GroupedConfig(1, 3, ws=True), GroupedConfig(2, 3, ws=True))
 WS_CONFIGS = (*WS_MAIN, GroupedConfig(2, 2, ws=True), GroupedConfig(1, 4, ws=True))
 # 256-row blocks (two warpgroups along the rows): both pair widths, and every pipeline depth that fits; stages cut
 # to each bitwidth's planes (q_stages: 1-8-bit experts of one launch each run their own ring); token blocks grouped
-# per row tile (tb_group: a last group past the token blocks)
+# per row tile (tb_group: a last group past the token blocks); w2's results added by 16-byte vector reductions
+# (red_v4, also at 128 rows, and where its staged results outgrow two stages)
 R256_MAIN = (GroupedConfig(1, 4, rows=256), GroupedConfig(2, 3, rows=256, q_stages=True))
 R256_CONFIGS = (*R256_MAIN, GroupedConfig(1, 2, rows=256), GroupedConfig(2, 3, rows=256),
                 GroupedConfig(1, 4, rows=256, q_stages=True), GroupedConfig(1, 3, q_stages=True),
-                GroupedConfig(2, 3, rows=256, q_stages=True, tb_group=4), GroupedConfig(1, 3, tb_group=2))
+                GroupedConfig(2, 3, rows=256, q_stages=True, tb_group=4), GroupedConfig(1, 3, tb_group=2),
+                GroupedConfig(2, 3, rows=256, red_v4=True), GroupedConfig(2, 2, rows=256, red_v4=True),
+                GroupedConfig(1, 3, red_v4=True))
 
 
 # ---------------------------------------------------------------- CPU: build, fragment order, algebra, configs
@@ -72,6 +75,9 @@ def test_every_variant_compiles_for_sm90(mode):
             assert cfg.shared_bytes(bits_max) <= SHARED_LIMIT
             jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, bits_max, group, compute),
                                           gemm_arch(cfg, "90")))
+    for cfg in (GroupedConfig(2, 2, rows=256, red_v4=True), GroupedConfig(1, 3, red_v4=True)):  # w2's vector reductions
+        assert cfg.shared_bytes(8) <= SHARED_LIMIT
+        jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, 8, 128, 0), gemm_arch(cfg, "90")))
     for wn in (1, 2):  # the warp-specialized kernel, within one block's shared memory
         for bits_max, group, compute, stages in ((8, 128, 0, 3), (4, 256, 1, 2), (3, 128, 0, 4 - wn)):
             cfg = GroupedConfig(wn=wn, stages=stages, ws=True)
@@ -193,6 +199,17 @@ def test_dispatch_rule():
     assert not prefer_grouped(4096, 2, 8) and not prefer_grouped(8192, 2, 8)
 
 
+def test_red_v4_adds_w2_results_by_16_byte_reductions():
+    """red_v4: w2's output additions compile to REDG.E.ADD.F32x4 (one per 4 output rows of a pair), and no scalar
+    float32 reduction is left in that kernel; without it, one scalar reduction per value."""
+    for rows, wn in ((256, 2), (128, 1)):
+        vec = sass_of(compile_to_cubin(gemm_defines(1, GroupedConfig(wn, 3, rows=rows, red_v4=True), 4, 128, 0), "90a"))
+        plain = sass_of(compile_to_cubin(gemm_defines(1, GroupedConfig(wn, 3, rows=rows), 4, 128, 0), "90a"))
+        reds = [line for line in vec.splitlines() if "REDG" in line or "ATOMG" in line]
+        assert reds and all("F32x4" in line for line in reds), rows
+        assert not any("F32x4" in line for line in plain.splitlines()) and "REDG.E.ADD.F32" in plain
+
+
 def test_l2_prefetch_hint_reaches_both_grouped_kernels():
     for ws in (False, True):
         for pf, tag in ((0, None), (128, "LTC128B"), (256, "LTC256B")):
@@ -222,6 +239,15 @@ def test_configs_and_refusals():
         GroupedConfig(ws=True, q_stages=True)
     with pytest.raises(ValueError, match="tb_group must be"):
         GroupedConfig(tb_group=3)
+    with pytest.raises(ValueError, match="red_v4"):
+        GroupedConfig(ws=True, red_v4=True)
+    # red_v4 stages w2's [128 pairs][256 + 4 rows] float32 results (130 KB) in the ring: more than two 49 KB stages
+    # of a 4-bit parent, less than three 65 KB stages of an 8-bit one
+    assert GroupedConfig(wn=2, stages=2, rows=256, red_v4=True).ring_bytes(4) == 130 * 1024
+    assert GroupedConfig(wn=2, stages=2, rows=256).ring_bytes(4) == 2 * 49 * 1024
+    assert GroupedConfig(wn=2, stages=3, rows=256, red_v4=True).ring_bytes(8) == 3 * 65 * 1024
+    assert "-DREDV=1" in gemm_defines(1, GroupedConfig(rows=256, red_v4=True), 8, 128, 0)
+    assert "-DREDV=0" in gemm_defines(0, GroupedConfig(rows=256, red_v4=True), 8, 128, 0)  # w13 has no reduction
     with pytest.raises(ValueError, match="rows must be 128 or 256"):
         GroupedConfig(rows=192)
     for bad in (dict(ws=True), dict(wgmma=False)):
