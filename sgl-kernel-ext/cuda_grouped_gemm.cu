@@ -110,6 +110,18 @@ struct Ring {
 #include "grouped_common.cuh"
 #include "gate_act.cuh"
 
+// f(slot, row, value) for each accumulator of this thread: its pair slot and its row inside the block
+template <class F>
+__device__ __forceinline__ void each_acc(float (*acc)[NPW / 8][4], int wn, int wgr, int wr, int g, int t, F f) {
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int nt = 0; nt < NPW / 8; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                f(NPW * wn + 8 * nt + 2 * t + (c & 1), 16 * TILE(wgr, wr, a) + g + (c >= 2 ? 8 : 0), acc[a][nt][c]);
+}
+
 // 16-byte float32 reduction into global memory (sm_90: REDG.E.ADD.F32x4), p 16-byte aligned
 __device__ __forceinline__ void red_add_v4(float* p, float4 v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -405,14 +417,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
     static_assert(BM * LD * 4 <= RING, "the staged results must fit in the pipeline's shared memory");
     __syncthreads();
     float* stage = (float*)smem;
-#pragma unroll
-    for (int a = 0; a < 2; ++a)
-#pragma unroll
-        for (int nt = 0; nt < NPW / 8; ++nt)
-#pragma unroll
-            for (int c = 0; c < 4; ++c)
-                stage[(NPW * wn + 8 * nt + 2 * t + (c & 1)) * LD + 16 * TILE(wgr, wr, a) + g + (c >= 2 ? 8 : 0)] =
-                    acc[a][nt][c];
+    each_acc(acc, wn, wgr, wr, g, t, [&](int slot, int row, float v) { stage[slot * LD + row] = v; });
     __syncthreads();
     for (int idx = tid; idx < BM * (BROWS / 4); idx += NTHREADS) {
         const int slot = idx / (BROWS / 4), r = 4 * (idx % (BROWS / 4));
@@ -427,18 +432,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
     }
     (void)act_out; (void)xs_out; (void)g_out; (void)xunit_per_pair;
 #else
-#pragma unroll
-    for (int a = 0; a < 2; ++a)
-#pragma unroll
-        for (int nt = 0; nt < NPW / 8; ++nt)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int n = BROWS * row_tile + 16 * TILE(wgr, wr, a) + g + (c >= 2 ? 8 : 0);
-                const int p = slot_pair[NPW * wn + 8 * nt + 2 * t + (c & 1)];
-                if (p < 0 || n >= n_out) continue;
-                const float v = apply_w_in ? acc[a][nt][c] : acc[a][nt][c] * topk_weights[p];
-                atomicAdd(acc_out + (long long)(p / topk) * n_out + n, v);
-            }
+    each_acc(acc, wn, wgr, wr, g, t, [&](int slot, int row, float v) {
+        const int n = BROWS * row_tile + row, p = slot_pair[slot];
+        if (p >= 0 && n < n_out)
+            atomicAdd(acc_out + (long long)(p / topk) * n_out + n, apply_w_in ? v : v * topk_weights[p]);
+    });
     (void)act_out; (void)xs_out; (void)g_out; (void)xunit_per_pair;
 #endif
 }
