@@ -2,13 +2,12 @@
 (cuda_grouped_gemm.cu, NVRTC), so no expert is ever dequantized into a scratch.
 
 Each block multiplies 128 (or, `rows=256`, 256) weight rows by up to 64 * wn (token, slot) pairs of one expert on
-tensor cores. The
-plane bytes, the activations and their group sums pass through a cp.async pipeline in shared memory; every
-weight pair of an mma fragment is built from the bit-transposed codes with one lop3 and one packed fma (c A in
-the compute type), and each group's offset enters in fp32 from the group's activation sum (docs/kernels.md,
-"The grouped kernel"). One call is the alignment + prep (w13's input in the kernel's chunk order with its group
-sums; zeroes the accumulators) + w13 (silu(gate) * up in its epilogue, written in w2's order) + w2 (float32
-atomics, routing weights applied) + one cast.
+tensor cores. The plane bytes, the activations and their group sums pass through a cp.async pipeline in shared
+memory; every weight pair of an mma fragment is built from the bit-transposed codes with one lop3 and one packed
+fma (c A in the compute type), and each group's offset enters in fp32 from the group's activation sum
+(docs/kernels.md, "The grouped kernel"). One call is the alignment + prep (w13's input in the kernel's chunk
+order with its group sums; zeroes the accumulators) + w13 (silu(gate) * up in its epilogue, written in w2's order)
++ w2 (float32 atomics, routing weights applied) + one cast.
 
 Device memory beyond the output: w13's input in the compute type ([M or M * topk, H]), w2's input ([M * topk,
 I]), float32 group sums and the float32 [M, H] accumulator; nothing proportional to the experts.
@@ -41,7 +40,6 @@ MAX_GROUPS = 256  # prep's shared group sums per row
 
 
 SHARED_LIMIT = 227 * 1024  # dynamic shared memory of one block on sm_90
-RING_MAX_BYTES = 220 * 1024  # q_stages at 256 rows: the ring (+ 1 KB alignment + ~1 KB static slot tables fits)
 WEIGHT_TILE_BYTES = ROWS_PER_BLOCK * CHUNK * 2  # the warp-specialized kernel's decoded 16-bit weight tile
 
 
@@ -58,13 +56,6 @@ class GroupedConfig:
     # all 64 * wn pairs (wgmma m64n(64 wn)k16), so each weight is decoded once per block and each activation byte
     # read from L2 feeds twice the rows (single-role wgmma kernel only)
     rows: int = ROWS_PER_BLOCK
-    # the Q-bit body cuts the stages' shared memory (sized for bits_max planes) into stages of Q planes, up to 8 of
-    # them (single-role kernel): a 4-bit expert under an 8-bit parent keeps more chunks in flight. At 256 rows (one
-    # block per SM either way) the ring takes RING_MAX_BYTES, whatever `stages` says
-    q_stages: bool = False
-    # token blocks launched back to back on one row tile (single-role kernel): 1 sweeps all row tiles per token
-    # block; more let the token blocks of one expert share each row tile's planes through L2
-    tb_group: int = 1
     # w2 (single-role kernel): stage the block's results in shared memory and add them into the output with 16-byte
     # vector reductions (sm_90), 4x fewer reduction requests than one float32 atomic per value
     red_v4: bool = False
@@ -80,10 +71,8 @@ class GroupedConfig:
             raise ValueError("the warp-specialized grouped kernel (ws=True) runs on wgmma: pass wgmma=True")
         if self.rows not in (128, 256):
             raise ValueError(f"rows must be 128 or 256, got {self.rows}")
-        if self.tb_group not in (1, 2, 4, 8):
-            raise ValueError(f"tb_group must be 1, 2, 4 or 8, got {self.tb_group}")
-        if (self.q_stages or self.tb_group > 1 or self.red_v4) and self.ws:
-            raise ValueError("q_stages, tb_group and red_v4 apply to the single-role grouped kernel: pass ws=False")
+        if self.red_v4 and self.ws:
+            raise ValueError("red_v4 applies to the single-role grouped kernel: pass ws=False")
         if self.rows == 256 and (self.ws or not self.wgmma):
             raise ValueError("256-row blocks (rows=256) run on the single-role wgmma kernel: pass ws=False, "
                              "wgmma=True")
@@ -107,10 +96,8 @@ class GroupedConfig:
         return "ap_grouped_ws_gemm" if self.ws else "ap_grouped_gemm"
 
     def ring_bytes(self, bits_max: int) -> int:
-        """Shared memory of the pipeline's stages: `stages` stages of bits_max planes (each rounded up to 1 KB), or
-        RING_MAX_BYTES for q_stages at 256 rows; with red_v4 at least w2's staged results."""
-        if self.q_stages and self.rows == 256:
-            return RING_MAX_BYTES
+        """Shared memory of the pipeline's stages: `stages` stages of bits_max planes (each rounded up to 1 KB); with
+        red_v4 at least w2's staged results."""
         stage = self.block_m * 256 + bits_max * self.rows * 16 + self.block_m * 4
         ring = self.stages * (-(-stage // 1024) * 1024)
         if self.red_v4:  # w2's results are staged in the ring's memory: [pairs][rows + 4] float32
@@ -160,8 +147,8 @@ def gemm_defines(mode: int, cfg: GroupedConfig, bits_max: int, group_size: int, 
                 f"-DCT={compute}", f"-DSTAGES={cfg.stages}", f"-DL2PF={cfg.l2_prefetch}"]
     return [f"-DMODE={mode}", f"-DWN={cfg.wn}", f"-DPMAX={bits_max}", f"-DG={group_size}", f"-DCT={compute}",
             f"-DSTAGES={cfg.stages}", f"-DWGMMA={int(cfg.wgmma)}", f"-DL2PF={cfg.l2_prefetch}",
-            f"-DWGR={cfg.rows // ROWS_PER_BLOCK}", f"-DQST={int(cfg.q_stages)}", f"-DTBG={cfg.tb_group}",
-            f"-DRING={cfg.ring_bytes(bits_max)}", f"-DREDV={int(cfg.red_v4 and mode == MODE_W2)}"]
+            f"-DWGR={cfg.rows // ROWS_PER_BLOCK}", f"-DRING={cfg.ring_bytes(bits_max)}",
+            f"-DREDV={int(cfg.red_v4 and mode == MODE_W2)}"]
 
 
 def gemm_arch(cfg: GroupedConfig, compute_capability: str) -> str:
@@ -187,8 +174,7 @@ def compile_to_cubin(defines: list[str], compute_capability: str, name: str = "a
 # weight decoded once per block) instead of 128 rows x 64 pairs. H100, 4 bits, whole call (benchmark/grouped_sweep.py,
 # docs/results/kernel.md session 28): 256 x 128 ahead from 128 pairs per expert (Qwen3-30B-A3B M = 2048: 0.92 vs
 # 0.98 ms, Mixtral M = 512: 1.60 vs 1.78, M = 2048: 4.26 vs 5.44 with 128 x 128), 128 x 64 ahead below it (Qwen3
-# M = 512, 32 per expert: 0.42 vs 0.60 ms; Mixtral M = 256). Three stages; stages cut to the expert's own planes
-# (q_stages) and token-block groups (tb_group) measured within noise of it, so off.
+# M = 512, 32 per expert: 0.42 vs 0.60 ms; Mixtral M = 256). Three stages.
 ROWS256_MIN_PAIRS_PER_EXPERT = 128
 
 
@@ -243,9 +229,7 @@ def ap_fused_moe_grouped(
         defines = tuple(defines + act_defines(activation) if mode == MODE_W13 else defines)
         kernel = cached_kernel(cfg.source, cfg.kernel_name, defines, dev.index or 0, smem, gemm_arch(cfg, cc))
         rows = cfg.rows // 2 if mode == MODE_W13 else cfg.rows  # outputs per block
-        tbg = 1 if cfg.ws else cfg.tb_group
-        grid = (-(-n_out // rows) * tbg, -(-align.max_blocks // tbg), 1)
-        kernel(grid=grid, block=(cfg.threads, 1, 1), shared_mem=smem,
+        kernel(grid=(-(-n_out // rows), align.max_blocks, 1), block=(cfg.threads, 1, 1), shared_mem=smem,
                args=[xin, xsin, w.page_table, *common, act, xs2, acc, num_pairs, topk, n_out, w.N, w.K,
                      int(apply_router_weight_on_input), w.num_experts, w.page_table.stride(0), w2.group_size,
                      int(apply_router_weight_on_input)])

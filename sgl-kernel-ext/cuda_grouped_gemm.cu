@@ -49,14 +49,8 @@
 #ifndef STAGES
 #define STAGES 3
 #endif
-#ifndef TBG
-#define TBG 1  // token blocks launched back to back on one row tile (grid: x = row tiles x TBG, y = groups)
-#endif
 #ifndef REDV
 #define REDV 0  // MODE 1: 1 stages the block's results in shared memory and adds them with 16-byte vector reductions
-#endif
-#ifndef QST
-#define QST 0  // 1: each bitwidth's body cuts the stages' shared memory into as many stages (<= 8) as its planes allow
 #endif
 #ifndef WGMMA
 #define WGMMA 0  // 1: warpgroup MMA (sm_90a), the weights from registers and the activations from shared memory
@@ -93,18 +87,8 @@
 #define STAGE_BYTES ((SUM_OFF + BM * 4 + 1023) / 1024 * 1024)  // 1024-byte aligned (the swizzle atoms)
 
 #ifndef RING
-#define RING (STAGES * STAGE_BYTES)  // QST: the shared memory the stages share (the host may give more)
+#define RING (STAGES * STAGE_BYTES)  // the stages' shared memory (the host gives more where red_v4 needs it)
 #endif
-
-// The pipeline of the Q-bit body: STAGES stages of STAGE_BYTES (sized for PMAX planes), or with QST the RING bytes
-// cut into stages of Q planes (at most 8), so a 4-bit expert under an 8-bit parent keeps more chunks in flight
-template <int Q>
-struct Ring {
-    static constexpr int SUM = QST ? ACT_STAGE + Q * PL_STAGE : SUM_OFF;  // group sums inside a stage
-    static constexpr int BYTES = QST ? (SUM + BM * 4 + 1023) / 1024 * 1024 : STAGE_BYTES;
-    static constexpr int N = QST ? (RING / BYTES < 8 ? RING / BYTES : 8) : STAGES;
-    static_assert(N >= 2, "the ring holds fewer than two stages");
-};
 
 #include "cuda_common.cuh"
 #include "grouped_common.cuh"
@@ -155,7 +139,6 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
                                          float (*acc)[NPW / 8][4]) {
     constexpr int NP_HI = Q < 4 ? Q : 4;
     constexpr int NP_LO = Q > 4 ? Q - 4 : 0;
-    using R = Ring<Q>;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     const int wr = warp & 3, wn = WGR == 2 ? 0 : warp >> 2, wgr = WGR == 2 ? warp >> 2 : 0;
@@ -194,7 +177,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 
     auto issue = [&](int c) {
         if (c < chunks) {
-            const u32 base = smem_base + (u32)((c % R::N) * R::BYTES);
+            const u32 base = smem_base + (u32)((c % STAGES) * STAGE_BYTES);
 #pragma unroll
             for (int r = 0; r < A_PER; ++r)
                 cp_async16(base + act_smem((tid >> 4) + r * (NTHREADS / 16), a_piece), x + a_off[r] + c * CHUNK,
@@ -206,7 +189,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
                     cp_async16(base + ACT_STAGE + p * PL_STAGE + p_row * 16,
                                (const unsigned char*)prow[2 + p] + p_off + (long long)c * 16, p_bytes);
             }
-            if (tid < BM) cp_async4(base + R::SUM + tid * 4, s_src + (c * CHUNK) / G, s_unit >= 0 ? 4u : 0u);
+            if (tid < BM) cp_async4(base + SUM_OFF + tid * 4, s_src + (c * CHUNK) / G, s_unit >= 0 ? 4u : 0u);
         }
         cp_async_commit();
     };
@@ -252,7 +235,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 #endif
 
 #pragma unroll
-    for (int st = 0; st < R::N - 1; ++st) issue(st);
+    for (int st = 0; st < STAGES - 1; ++st) issue(st);
     load_raw(0);
 
     for (int c = 0; c < chunks; ++c) {
@@ -266,10 +249,10 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
                 for (int h = 0; h < 2; ++h) rc[a][h] = make_row_coef<Q>(raw[a][h][0], raw[a][h][1]);
             load_raw(c / (G / CHUNK) + 1);
         }
-        cp_async_wait<R::N - 2>();
+        cp_async_wait<STAGES - 2>();
         __syncthreads();
-        issue(c + R::N - 1);  // into the slot of chunk c - 1, which every thread has finished
-        const u32 sb = smem_base + (u32)((c % R::N) * R::BYTES);
+        issue(c + STAGES - 1);  // into the slot of chunk c - 1, which every thread has finished
+        const u32 sb = smem_base + (u32)((c % STAGES) * STAGE_BYTES);
 
         // codes of this lane's rows: [tile][row g / g + 8][word j]
         u32 hi[2][2][4], lo[2][2][4];
@@ -301,7 +284,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
                     af[a][3] = weight_pair<Q>(hi[a][1][j], NP_LO > 0 ? lo[a][1][j] : 0u, e0 + 1, rc[a][1]);
                 }
 #if WGMMA
-                // pieces (j, e0), (j, e0 + 1) of this warpgroup's 64 pairs: 32 bytes into the atom's rows (the
+                // pieces (j, e0), (j, e0 + 1) of this warpgroup's NPW pairs: 32 bytes into the atom's rows (the
                 // hardware applies the swizzle to the address), 8-row groups 1024 bytes apart
                 const int p0 = 4 * j + e0;
                 const u64 desc = wg_desc(sb + (u32)((p0 >> 3) * BM * 128 + NPW * wn * 128 + (p0 & 7) * 16), 16, 1024);
@@ -335,7 +318,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 #if WGMMA
             wg_wait<0>();
 #endif
-            const float* S = (const float*)(smem + (c % R::N) * R::BYTES + R::SUM);
+            const float* S = (const float*)(smem + (c % STAGES) * STAGE_BYTES + SUM_OFF);
 #pragma unroll
             for (int nt = 0; nt < NPW / 8; ++nt) {
                 const float2 sv = *(const float2*)(S + NPW * wn + 8 * nt + 2 * t);
@@ -364,11 +347,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
     unsigned char* smem = align_1024(smem_raw);
     __shared__ int slot_pair[BM];  // pair of each slot, -1 for padding
     __shared__ int slot_unit[BM];  // activation row of each slot, -1 for padding
-    // TBG consecutive token blocks fastest, then row tiles: the blocks in flight share a few token blocks'
-    // activations (L2-resident); with TBG > 1 the token blocks of one expert read each row tile's planes from HBM
-    // once and find them in L2 in turn (TBG = 1: row tiles fastest, and the expert's planes stream past each
-    // token block)
-    const int row_tile = blockIdx.x / TBG, tb = blockIdx.y * TBG + blockIdx.x % TBG;
+    // row tiles fastest: the blocks in flight share a few token blocks' activations (L2-resident) and stream
+    // the expert's planes, which the token blocks of one expert then find in L2 in turn
+    const int row_tile = blockIdx.x, tb = blockIdx.y;
     if (tb * BM >= post_pad[0]) return;
     const int expert = expert_ids[tb];
     if (expert < 0 || expert >= num_experts) return;

@@ -44,14 +44,10 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the grouped kernel is CUDA
 # four stages
 WS_MAIN = (GroupedConfig(1, 3, ws=True), GroupedConfig(2, 3, ws=True))
 WS_CONFIGS = (*WS_MAIN, GroupedConfig(2, 2, ws=True), GroupedConfig(1, 4, ws=True))
-# 256-row blocks (two warpgroups along the rows): both pair widths, and every pipeline depth that fits; stages cut
-# to each bitwidth's planes (q_stages: 1-8-bit experts of one launch each run their own ring); token blocks grouped
-# per row tile (tb_group: a last group past the token blocks); w2's results added by 16-byte vector reductions
-# (red_v4, also at 128 rows, and where its staged results outgrow two stages)
-R256_MAIN = (GroupedConfig(1, 4, rows=256), GroupedConfig(2, 3, rows=256, q_stages=True))
-R256_CONFIGS = (*R256_MAIN, GroupedConfig(1, 2, rows=256), GroupedConfig(2, 3, rows=256),
-                GroupedConfig(1, 4, rows=256, q_stages=True), GroupedConfig(1, 3, q_stages=True),
-                GroupedConfig(2, 3, rows=256, q_stages=True, tb_group=4), GroupedConfig(1, 3, tb_group=2),
+# 256-row blocks (two warpgroups along the rows): both pair widths, and every pipeline depth that fits; w2's results
+# added by 16-byte vector reductions (red_v4, also at 128 rows, and where its staged results outgrow two stages)
+R256_MAIN = (GroupedConfig(1, 4, rows=256), GroupedConfig(2, 3, rows=256))
+R256_CONFIGS = (*R256_MAIN, GroupedConfig(1, 2, rows=256), GroupedConfig(2, 2, rows=256),
                 GroupedConfig(2, 3, rows=256, red_v4=True), GroupedConfig(2, 2, rows=256, red_v4=True),
                 GroupedConfig(1, 3, red_v4=True))
 
@@ -69,9 +65,8 @@ def test_every_variant_compiles_for_sm90(mode):
                 jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, bits_max, group, compute),
                                               gemm_arch(cfg, "90")))
     for wn in (1, 2):  # 256-row blocks, within one block's shared memory
-        for bits_max, group, compute, stages, qst in ((8, 128, 0, 4 - wn, True), (4, 256, 1, 4, False),
-                                                      (3, 128, 0, 2, True)):
-            cfg = GroupedConfig(wn=wn, stages=stages, rows=256, q_stages=qst)
+        for bits_max, group, compute, stages in ((8, 128, 0, 4 - wn), (4, 256, 1, 4), (3, 128, 0, 2)):
+            cfg = GroupedConfig(wn=wn, stages=stages, rows=256)
             assert cfg.shared_bytes(bits_max) <= SHARED_LIMIT
             jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, bits_max, group, compute),
                                           gemm_arch(cfg, "90")))
@@ -235,10 +230,6 @@ def test_configs_and_refusals():
         GroupedConfig(stages=5)
     with pytest.raises(ValueError, match="wgmma=True"):
         GroupedConfig(ws=True, wgmma=False)
-    with pytest.raises(ValueError, match="q_stages"):
-        GroupedConfig(ws=True, q_stages=True)
-    with pytest.raises(ValueError, match="tb_group must be"):
-        GroupedConfig(tb_group=3)
     with pytest.raises(ValueError, match="red_v4"):
         GroupedConfig(ws=True, red_v4=True)
     # red_v4 stages w2's [128 pairs][256 + 4 rows] float32 results (130 KB) in the ring: more than two 49 KB stages
