@@ -205,6 +205,21 @@ def test_red_v4_adds_w2_results_by_16_byte_reductions():
         assert not any("F32x4" in line for line in plain.splitlines()) and "REDG.E.ADD.F32" in plain
 
 
+def test_diag_knob_leaves_out_what_it_names():
+    """grouped_diag.py's DIAG bits (measurement only): 1 drops the planes' shared reads and the decode, 2 the MMAs
+    but keeps the decode (its fragments feed a sink, so the time left is the decode's); 0 is the served kernel."""
+    cfg = GroupedConfig(1, 3)
+
+    def ops(diag):
+        sass = sass_of(compile_to_cubin(gemm_defines(1, cfg, 4, 128, 0) + [f"-DDIAG={diag}"], "90a"))
+        return {op: sum(f" {op}" in line for line in sass.splitlines()) for op in ("HGMMA", "LDSM", "HFMA2")}
+
+    served, no_decode, no_mma = ops(0), ops(1), ops(2)
+    assert served["HGMMA"] and served["LDSM"] and served["HFMA2"]
+    assert no_decode["LDSM"] == 0 and no_decode["HGMMA"] == served["HGMMA"] and no_decode["HFMA2"] < served["HFMA2"] / 4
+    assert no_mma["HGMMA"] == 0 and no_mma["LDSM"] == served["LDSM"] and no_mma["HFMA2"] >= served["HFMA2"]
+
+
 def test_l2_prefetch_hint_reaches_both_grouped_kernels():
     for ws in (False, True):
         for pf, tag in ((0, None), (128, "LTC128B"), (256, "LTC256B")):
