@@ -13,6 +13,7 @@ between CUDA-graph replays.
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ from pagedweight.kernels.cuda_grouped import (
 )
 from pagedweight.kernels.reference import ap_fused_moe_reference
 from pagedweight.kernels.testing import random_ap_projection
-from tests.support.cuda_kernel_cases import (assert_cubins, check_graph_replay, check_moe_dtypes,
+from tests.support.cuda_kernel_cases import (assert_cubins, ptxas_report, check_graph_replay, check_moe_dtypes,
                                              compile_in_parallel, rel_err, routing, sass_of)
 from tests.test_kernel_fold import _codes_of
 
@@ -218,6 +219,24 @@ def test_diag_knob_leaves_out_what_it_names():
     assert served["HGMMA"] and served["LDSM"] and served["HFMA2"]
     assert no_decode["LDSM"] == 0 and no_decode["HGMMA"] == served["HGMMA"] and no_decode["HFMA2"] < served["HFMA2"] / 4
     assert no_mma["HGMMA"] == 0 and no_mma["LDSM"] == served["LDSM"] and no_mma["HFMA2"] >= served["HFMA2"]
+
+
+@pytest.mark.parametrize("cfg", [GroupedConfig(2, 3, rows=256), GroupedConfig(2, 3, rows=256, red_v4=True),
+                                 GroupedConfig(1, 3)], ids=["r256", "r256_red_v4", "r128_wn1"])
+def test_wgmma_variants_assemble_without_serialization_or_spills(cfg):
+    """The served wgmma kernels (w13 and w2, up to 4 and 8 bits): ptxas keeps their MMAs asynchronous (no C7510 /
+    C7515 serialization warning, which would make every wgmma wait for the one before) and spills nothing up to 4
+    bits; at 256 x 128 the 8-bit w13 spills 8 bytes and red_v4's w2 4 (docs/kernels.md), no more."""
+    for mode, bits in ((0, 4), (1, 4), (0, 8)):
+        report = ptxas_report(cfg.source, "ap_grouped_gemm", "90a", gemm_defines(mode, cfg, bits, 128, 0))
+        gemm = report[report.index("entry function 'ap_grouped_gemm'"):]
+        serialized = [line for line in report.splitlines() if "ptxas" in line and "warning" in line
+                      and ("wgmma" in line or "C751" in line)]
+        assert not serialized, (cfg, mode, bits, serialized)
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", gemm)
+        assert spill, gemm[:400]
+        allowed = 8 if cfg.rows == 256 and (bits == 8 or (cfg.red_v4 and mode == 1)) else 0
+        assert max(int(spill[1]), int(spill[2])) <= allowed, (cfg, mode, bits, spill[0])
 
 
 def test_l2_prefetch_hint_reaches_both_grouped_kernels():

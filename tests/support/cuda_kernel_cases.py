@@ -25,6 +25,36 @@ def compile_in_parallel(jobs: list[Callable[[], bytes]]) -> list[bytes]:
         return list(pool.map(lambda job: job(), jobs))
 
 
+def ptxas_report(source: Path, name: str, compute_capability: str, defines: list[str]) -> str:
+    """NVRTC's log of one kernel built with `ptxas -v`: its registers, spills and the assembler's performance
+    warnings (such as wgmma serialization, C7510), which a successful build otherwise drops."""
+    import ctypes
+
+    from torch.cuda._utils import _get_gpu_rtc_library
+    from torch.utils.cpp_extension import include_paths
+
+    from pagedweight.kernels.nvrtc import source_text
+
+    lib = _get_gpu_rtc_library()
+    opts = [f"--gpu-architecture=sm_{compute_capability}", *(f"-I{p}" for p in include_paths("cuda")), *defines,
+            "--ptxas-options=-v"]
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source_text(source).encode(), f"{name}.cu".encode(), 0, None,
+                                  None) == 0
+    try:
+        lib.nvrtcAddNameExpression(prog, name.encode())
+        res = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*(o.encode() for o in opts)))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    if res != 0:
+        raise RuntimeError(f"{name}: NVRTC build failed:\n{log.value.decode()}")
+    return log.value.decode()
+
+
 def assert_cubins(cubins: list[bytes]) -> None:
     assert cubins and all(c[:4] == b"\x7fELF" for c in cubins), "NVRTC did not return a cubin"
 
