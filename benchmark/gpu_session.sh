@@ -19,7 +19,9 @@
 #   bash benchmark/gpu_session.sh grouped   # prefill: grouped-kernel GPU tests, SGLang's bf16 / FP8 block128 MoE at
 #                                           # M 256..8192 (sglang_moe_anchors.py, carried in .carry/bench) and
 #                                           # benchmark/prefill_bench.py beside them (GROUPED_PARTS="tests anchors bench",
-#                                           # PB_MODELS, PB_MS, PB_CASES; tests and bench need no devicekit)
+#                                           # PB_MODELS, PB_MS, PB_CASES; tests and bench need no devicekit); the parts
+#                                           # "sweep" (grouped_sweep.py: SW_MODELS, SW_MS, SW_CONFIGS) and "diag"
+#                                           # (grouped_diag.py: DIAG_MODELS, DIAG_M, DIAG_CONFIG, DIAGS) run first
 #   bash benchmark/gpu_session.sh lutk      # CUDA LUT kernel: GPU tests + linear and MoE decode timings (no devicekit)
 #   bash benchmark/gpu_session.sh linear    # dense AP linear tests + benchmark/linear_bench.py (no devicekit needed)
 #   bash benchmark/gpu_session.sh serve     # server smoke test + bench_one_batch stock bf16 vs AP 4-bit experts vs
@@ -106,6 +108,17 @@ fi
 if [ "$stage" = grouped ]; then
   parts=" ${GROUPED_PARTS:-tests anchors bench} "
   ms="${PB_MS:-256,512,2048,8192}"
+  if [[ "$parts" == *" sweep "* ]]; then  # configs side by side, each output checked against dequantize-then-GEMM
+    timeout "${SW_TIMEOUT:-240}" python3 benchmark/grouped_sweep.py --out "$OUT/grouped_sweep.json" \
+      --models "${SW_MODELS:-qwen3moe,mixtral}" --ms "${SW_MS:-2048,256}" \
+      --configs "${SW_CONFIGS:-2.3.r256,2.3.r256.rv,1.3,1.3.rv}" --reps 10 --time-budget-s "${SW_BUDGET:-200}" 2>&1 \
+      | grep -v "^W1" | cut -c1-240
+  fi
+  if [[ "$parts" == *" diag "* ]]; then  # where the kernel's time goes: a stage left out per DIAG value
+    timeout "${DIAG_TIMEOUT:-150}" python3 benchmark/grouped_diag.py --out "$OUT/grouped_diag.json" \
+      --models "${DIAG_MODELS:-qwen3moe}" --m "${DIAG_M:-2048}" --config "${DIAG_CONFIG:-2.3.r256}" \
+      --diags "${DIAGS:-0,1,2,24,4}" 2>&1 | grep "^{" | cut -c1-200
+  fi
   if [[ "$parts" == *" tests "* ]]; then
     timeout "${GROUPED_TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_kernel_grouped.py \
       tests/test_kernel_moe.py 2>&1 | tail -15 | tee "$OUT/gpu_tests_grouped.txt"
