@@ -117,7 +117,7 @@ if [ "$stage" = grouped ]; then
   if [[ "$parts" == *" diag "* ]]; then  # where the kernel's time goes: a stage left out per DIAG value
     timeout "${DIAG_TIMEOUT:-150}" python3 benchmark/grouped_diag.py --out "$OUT/grouped_diag.json" \
       --models "${DIAG_MODELS:-qwen3moe}" --m "${DIAG_M:-2048}" --config "${DIAG_CONFIG:-2.3.r256}" \
-      --diags "${DIAGS:-0,1,2,24,4}" 2>&1 | grep "^{" | cut -c1-200
+      --diags "${DIAGS:-0,1,2,8,24,4}" 2>&1 | grep "^{" | cut -c1-200
   fi
   if [[ "$parts" == *" tests "* ]]; then
     timeout "${GROUPED_TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_kernel_grouped.py \
