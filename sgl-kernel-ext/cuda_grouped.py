@@ -59,6 +59,9 @@ class GroupedConfig:
     # w2 (single-role kernel): stage the block's results in shared memory and add them into the output with 16-byte
     # vector reductions (sm_90), 4x fewer reduction requests than one float32 atomic per value
     red_v4: bool = False
+    # single-role kernel: each weight built whole, A c + z with z in the compute type (the dequantize-then-GEMM path's
+    # rounding), so no fp32 group-offset pass waits for the MMAs at every group's end (one more packed fma per pair)
+    offset_in_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.wn not in (1, 2):
@@ -73,6 +76,8 @@ class GroupedConfig:
             raise ValueError(f"rows must be 128 or 256, got {self.rows}")
         if self.red_v4 and self.ws:
             raise ValueError("red_v4 applies to the single-role grouped kernel: pass ws=False")
+        if self.offset_in_weights and self.ws:
+            raise ValueError("offset_in_weights applies to the single-role grouped kernel: pass ws=False")
         if self.rows == 256 and (self.ws or not self.wgmma):
             raise ValueError("256-row blocks (rows=256) run on the single-role wgmma kernel: pass ws=False, "
                              "wgmma=True")
@@ -148,7 +153,7 @@ def gemm_defines(mode: int, cfg: GroupedConfig, bits_max: int, group_size: int, 
     return [f"-DMODE={mode}", f"-DWN={cfg.wn}", f"-DPMAX={bits_max}", f"-DG={group_size}", f"-DCT={compute}",
             f"-DSTAGES={cfg.stages}", f"-DWGMMA={int(cfg.wgmma)}", f"-DL2PF={cfg.l2_prefetch}",
             f"-DWGR={cfg.rows // ROWS_PER_BLOCK}", f"-DRING={cfg.ring_bytes(bits_max)}",
-            f"-DREDV={int(cfg.red_v4 and mode == MODE_W2)}"]
+            f"-DREDV={int(cfg.red_v4 and mode == MODE_W2)}", f"-DOFFW={int(cfg.offset_in_weights)}"]
 
 
 def gemm_arch(cfg: GroupedConfig, compute_capability: str) -> str:

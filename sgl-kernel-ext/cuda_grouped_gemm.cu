@@ -62,6 +62,9 @@
 // refill may then overwrite activations the MMAs still read)
 #define DIAG 0
 #endif
+#ifndef OFFW
+#define OFFW 0  // 1: the group offset inside each weight (weight_pair_ow), no offset pass over the accumulators
+#endif
 #ifndef WGR
 #define WGR 1  // warpgroups along the weight rows: 2 = 256 rows per block, each warpgroup all BM pairs (wgmma)
 #endif
@@ -196,7 +199,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
                     cp_async16(base + ACT_STAGE + p * PL_STAGE + p_row * 16,
                                (const unsigned char*)prow[2 + p] + p_off + (long long)c * 16, p_bytes);
             }
-            if (tid < BM) cp_async4(base + SUM_OFF + tid * 4, s_src + (c * CHUNK) / G, s_unit >= 0 ? 4u : 0u);
+            if (!OFFW && tid < BM) cp_async4(base + SUM_OFF + tid * 4, s_src + (c * CHUNK) / G, s_unit >= 0 ? 4u : 0u);
         }
         cp_async_commit();
     };
@@ -230,6 +233,9 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
             }
     };
     RowCoef rc[2][2];
+#if OFFW
+    u32 z2[2][2];  // each row's group offset z = o - s (2^q - 1), splat in the compute type
+#endif
 
     // ldmatrix addresses: planes (lane >> 4: +1 plane, (lane >> 3) & 1: row half), activations (matrix
     // lane >> 3: (lane >> 3) & 1 -> piece e0 / e0 + 1, lane >> 4 -> pairs 0-7 / 8-15 of a 16-pair group)
@@ -254,7 +260,12 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 #pragma unroll
             for (int a = 0; a < 2; ++a)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) rc[a][h] = make_row_coef<Q>(raw[a][h][0], raw[a][h][1]);
+                for (int h = 0; h < 2; ++h) {
+                    rc[a][h] = make_row_coef<Q>(raw[a][h][0], raw[a][h][1]);
+#if OFFW
+                    z2[a][h] = splat(h2f(raw[a][h][1]) - h2f(raw[a][h][0]) * (float)((1 << Q) - 1));
+#endif
+                }
             load_raw(c / (G / CHUNK) + 1);
         }
         cp_async_wait<STAGES - 2>();
@@ -289,6 +300,13 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 #if DIAG & 1
                     af[a][0] = af[a][2] = rc[a][0].a2;
                     af[a][1] = af[a][3] = rc[a][1].a2;
+#elif OFFW
+                    af[a][0] = weight_pair_ow<Q>(hi[a][0][j], NP_LO > 0 ? lo[a][0][j] : 0u, e0, rc[a][0].a2, z2[a][0]);
+                    af[a][1] = weight_pair_ow<Q>(hi[a][1][j], NP_LO > 0 ? lo[a][1][j] : 0u, e0, rc[a][1].a2, z2[a][1]);
+                    af[a][2] = weight_pair_ow<Q>(hi[a][0][j], NP_LO > 0 ? lo[a][0][j] : 0u, e0 + 1, rc[a][0].a2,
+                                                 z2[a][0]);
+                    af[a][3] = weight_pair_ow<Q>(hi[a][1][j], NP_LO > 0 ? lo[a][1][j] : 0u, e0 + 1, rc[a][1].a2,
+                                                 z2[a][1]);
 #else
                     af[a][0] = weight_pair<Q>(hi[a][0][j], NP_LO > 0 ? lo[a][0][j] : 0u, e0, rc[a][0]);
                     af[a][1] = weight_pair<Q>(hi[a][1][j], NP_LO > 0 ? lo[a][1][j] : 0u, e0, rc[a][1]);
@@ -331,7 +349,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 #endif
             }
         }
-        if (!(DIAG & 8) && (c + 1) % (G / CHUNK) == 0) {  // the group's offsets: y += z S
+        if (!OFFW && !(DIAG & 8) && (c + 1) % (G / CHUNK) == 0) {  // the group's offsets: y += z S
 #if WGMMA
             wg_wait<0>();
 #endif

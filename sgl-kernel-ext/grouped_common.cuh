@@ -129,6 +129,22 @@ __device__ __forceinline__ RowCoef make_row_coef(u16 s16, u16 o16) {
     return c;
 }
 
+// offset_in_weights (OFFW): the whole weight A c + z per pair, the code c exact first, then one fma with z rounded to
+// the compute type: the dequantize-then-GEMM path's rounding (2^-9 of the weight, plus 2^-9 of z), and no offset pass
+// over the accumulators, so nothing drains the MMAs at a group's end. a2: A (RowCoef::a2), z2: z, both splat.
+template <int Q>
+__device__ __forceinline__ u32 weight_pair_ow(u32 hi, u32 lo, int e, u32 a2, u32 z2) {
+#if CT == 0
+    const u32 NEG_BIAS = 0xC300C300u, ONE = 0x3F803F80u, SIXTEEN = 0x41804180u, NEG_16BIAS = 0xC500C500u;
+#else
+    const u32 NEG_BIAS = 0xE400E400u, ONE = 0x3C003C00u, SIXTEEN = 0x4C004C00u, NEG_16BIAS = 0xF400F400u;
+#endif
+    if (Q <= 4) return pfma(pfma(code_pair(hi, e), ONE, NEG_BIAS), a2, z2);  // c exact, then c A + z
+    const u32 h16 = pfma(code_pair(hi, e), SIXTEEN, NEG_16BIAS);  // 16 hi, exact
+    const u32 lo1 = pfma(code_pair(lo, e), ONE, NEG_BIAS);        // lo, exact
+    return pfma(pfma(h16, ONE, lo1), a2, z2);                    // 16 hi + lo <= 255 exact, then c A + z
+}
+
 // the weight pair of the nibbles (e, e + 4): q <= 4 from one code word, q > 4 from the hi and lo words
 template <int Q>
 __device__ __forceinline__ u32 weight_pair(u32 hi, u32 lo, int e, const RowCoef& rc) {

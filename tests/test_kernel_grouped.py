@@ -51,6 +51,9 @@ R256_MAIN = (GroupedConfig(1, 4, rows=256), GroupedConfig(2, 3, rows=256))
 R256_CONFIGS = (*R256_MAIN, GroupedConfig(1, 2, rows=256), GroupedConfig(2, 2, rows=256),
                 GroupedConfig(2, 3, rows=256, red_v4=True), GroupedConfig(2, 2, rows=256, red_v4=True),
                 GroupedConfig(1, 3, red_v4=True))
+# the offset inside the weights (no fp32 offset pass): 256 x 128, 128 x 64 and mma.sync
+OW_CONFIGS = (GroupedConfig(2, 3, rows=256, offset_in_weights=True), GroupedConfig(1, 3, offset_in_weights=True),
+              GroupedConfig(1, 3, wgmma=False, offset_in_weights=True))
 
 
 # ---------------------------------------------------------------- CPU: build, fragment order, algebra, configs
@@ -74,6 +77,9 @@ def test_every_variant_compiles_for_sm90(mode):
     for cfg in (GroupedConfig(2, 2, rows=256, red_v4=True), GroupedConfig(1, 3, red_v4=True)):  # w2's vector reductions
         assert cfg.shared_bytes(8) <= SHARED_LIMIT
         jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, 8, 128, 0), gemm_arch(cfg, "90")))
+    for cfg, bits_max, group, compute in zip(OW_CONFIGS, (8, 4, 3), (128, 256, 128), (0, 1, 0)):  # offset in weights
+        jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, bits_max, group, compute),
+                                      gemm_arch(cfg, "90")))
     for wn in (1, 2):  # the warp-specialized kernel, within one block's shared memory
         for bits_max, group, compute, stages in ((8, 128, 0, 3), (4, 256, 1, 2), (3, 128, 0, 4 - wn)):
             cfg = GroupedConfig(wn=wn, stages=stages, ws=True)
@@ -239,6 +245,20 @@ def test_wgmma_variants_assemble_without_serialization_or_spills(cfg):
         assert max(int(spill[1]), int(spill[2])) <= allowed, (cfg, mode, bits, spill[0])
 
 
+def test_offset_in_weights_builds_whole_weights_and_drops_the_offset_pass():
+    """offset_in_weights: two packed fmas per weight pair (the code exactly, then c A + z) where the default has one,
+    and w2 keeps none of the 128-per-chunk fp32 offset fmas of the default (w2's only other fp32 math is a handful)."""
+
+    def ops(cfg):
+        sass = sass_of(compile_to_cubin(gemm_defines(1, cfg, 4, 128, 0), "90a"))
+        return {op: sum(f" {op}" in line for line in sass.splitlines()) for op in ("HFMA2", "FFMA", "HGMMA")}
+
+    served, whole = ops(GroupedConfig(1, 3)), ops(GroupedConfig(1, 3, offset_in_weights=True))
+    assert whole["HGMMA"] == served["HGMMA"]
+    assert whole["HFMA2"] >= 1.9 * served["HFMA2"]
+    assert served["FFMA"] >= 4 * 64 and whole["FFMA"] <= 16  # 4 bitwidths x 64 offset fmas per chunk in the default
+
+
 def test_l2_prefetch_hint_reaches_both_grouped_kernels():
     for ws in (False, True):
         for pf, tag in ((0, None), (128, "LTC128B"), (256, "LTC256B")):
@@ -266,6 +286,8 @@ def test_configs_and_refusals():
         GroupedConfig(ws=True, wgmma=False)
     with pytest.raises(ValueError, match="red_v4"):
         GroupedConfig(ws=True, red_v4=True)
+    with pytest.raises(ValueError, match="offset_in_weights"):
+        GroupedConfig(ws=True, offset_in_weights=True)
     # red_v4 stages w2's [128 pairs][256 + 4 rows] float32 results (130 KB) in the ring: more than two 49 KB stages
     # of a 4-bit parent, less than three 65 KB stages of an 8-bit one
     assert GroupedConfig(wn=2, stages=2, rows=256, red_v4=True).ring_bytes(4) == 130 * 1024
@@ -334,7 +356,7 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
     x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
     ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
     for cfg in (GroupedConfig(1, 2), GroupedConfig(2, 3), GroupedConfig(2, 4), GroupedConfig(1, 3, wgmma=False),
-                GroupedConfig(2, 2, wgmma=False), *WS_CONFIGS, *R256_CONFIGS):
+                GroupedConfig(2, 2, wgmma=False), *WS_CONFIGS, *R256_CONFIGS, *OW_CONFIGS):
         out = ap_fused_moe_grouped(x, tw, ids, p13.weights, p2.weights, config=cfg)
         assert rel_err(out, ref) < 2e-2, cfg
 
