@@ -263,7 +263,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
                 for (int h = 0; h < 2; ++h) {
                     rc[a][h] = make_row_coef<Q>(raw[a][h][0], raw[a][h][1]);
 #if OFFW
-                    z2[a][h] = splat(h2f(raw[a][h][1]) - h2f(raw[a][h][0]) * (float)((1 << Q) - 1));
+                    z2[a][h] = splat(group_offset<Q>(h2f(raw[a][h][0]), h2f(raw[a][h][1])));
 #endif
                 }
             load_raw(c / (G / CHUNK) + 1);

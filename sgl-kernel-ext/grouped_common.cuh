@@ -101,6 +101,12 @@ struct RowCoef {  // one row's group: packed A and C (bf16: the weight is fma(BI
     float z;
 };
 
+// the group's offset: W = A c + z with z = o - s (2^q - 1) (ubcq: sum_p s 2^(q-1-p) (2 bit_p - 1) + o)
+template <int Q>
+__device__ __forceinline__ float group_offset(float s, float o) {
+    return o - s * (float)((1 << Q) - 1);
+}
+
 // The weights enter centred, W' = A (c - K0) (+ a known constant), K0 the middle of the code range, and the
 // group's offset z + K0 A (less that constant) is applied in fp32: no large term of W' cancels
 // against a large z S, so the rounding of A to the compute type costs 2^-9 of the result, not of the offset.
@@ -110,7 +116,7 @@ struct RowCoef {  // one row's group: packed A and C (bf16: the weight is fma(BI
 template <int Q>
 __device__ __forceinline__ RowCoef make_row_coef(u16 s16, u16 o16) {
     const float s = h2f(s16), o = h2f(o16);
-    const float z = o - s * (float)((1 << Q) - 1);
+    const float z = group_offset<Q>(s, o);
     const float a = 2.f * s * __int_as_float((127 + (Q <= 4 ? Q - 4 : Q - 8)) << 23);
     // the middle of the code range: (2^q - 1) / 2 in nibble (q <= 4) or byte (q > 4) units
     const float k0 = (float)((1 << Q) - 1) * __int_as_float((127 + (Q <= 4 ? 3 - Q : 7 - Q)) << 23);
@@ -129,47 +135,45 @@ __device__ __forceinline__ RowCoef make_row_coef(u16 s16, u16 o16) {
     return c;
 }
 
+// packed constants of the code arithmetic in the compute type (BIAS: 128 in bf16, 1024 in fp16)
+struct CodeConst {
+#if CT == 0
+    static constexpr u32 NEG_BIAS = 0xC300C300u, ONE = 0x3F803F80u, SIXTEEN = 0x41804180u, NEG_16BIAS = 0xC500C500u;
+#else
+    static constexpr u32 NEG_BIAS = 0xE400E400u, ONE = 0x3C003C00u, SIXTEEN = 0x4C004C00u, NEG_16BIAS = 0xF400F400u;
+#endif
+    static constexpr u32 NEG_ZERO = 0x80008000u;
+};
+
+// the codes of the nibbles (e, e + 4) exactly in the compute type: q <= 4 from one code word, q > 4 16 hi + lo
+// (<= 255) from the hi and lo words
+template <int Q>
+__device__ __forceinline__ u32 exact_code_pair(u32 hi, u32 lo, int e) {
+    using K = CodeConst;
+    if (Q <= 4) return pfma(code_pair(hi, e), K::ONE, K::NEG_BIAS);
+    const u32 h16 = pfma(code_pair(hi, e), K::SIXTEEN, K::NEG_16BIAS);  // 16 hi, exact
+    const u32 lo1 = pfma(code_pair(lo, e), K::ONE, K::NEG_BIAS);        // lo, exact
+    return pfma(h16, K::ONE, lo1);
+}
+
+// the weight pair of the nibbles (e, e + 4), centred (make_row_coef)
+template <int Q>
+__device__ __forceinline__ u32 weight_pair(u32 hi, u32 lo, int e, const RowCoef& rc) {
+    using K = CodeConst;
+#if CT == 0
+    if (Q <= 4) return pfma(code_pair(hi, e), rc.a2, rc.c2);  // (BIAS + c) A + C in one fma
+    return pfma(exact_code_pair<Q>(hi, lo, e), rc.a2, rc.c2);
+#else
+    return pfma(pfma(exact_code_pair<Q>(hi, lo, e), K::ONE, rc.c2), rc.a2, K::NEG_ZERO);
+#endif
+}
+
 // offset_in_weights (OFFW): the whole weight A c + z per pair, the code c exact first, then one fma with z rounded to
 // the compute type: the dequantize-then-GEMM path's rounding (2^-9 of the weight, plus 2^-9 of z), and no offset pass
 // over the accumulators, so nothing drains the MMAs at a group's end. a2: A (RowCoef::a2), z2: z, both splat.
 template <int Q>
 __device__ __forceinline__ u32 weight_pair_ow(u32 hi, u32 lo, int e, u32 a2, u32 z2) {
-#if CT == 0
-    const u32 NEG_BIAS = 0xC300C300u, ONE = 0x3F803F80u, SIXTEEN = 0x41804180u, NEG_16BIAS = 0xC500C500u;
-#else
-    const u32 NEG_BIAS = 0xE400E400u, ONE = 0x3C003C00u, SIXTEEN = 0x4C004C00u, NEG_16BIAS = 0xF400F400u;
-#endif
-    if (Q <= 4) return pfma(pfma(code_pair(hi, e), ONE, NEG_BIAS), a2, z2);  // c exact, then c A + z
-    const u32 h16 = pfma(code_pair(hi, e), SIXTEEN, NEG_16BIAS);  // 16 hi, exact
-    const u32 lo1 = pfma(code_pair(lo, e), ONE, NEG_BIAS);        // lo, exact
-    return pfma(pfma(h16, ONE, lo1), a2, z2);                    // 16 hi + lo <= 255 exact, then c A + z
-}
-
-// the weight pair of the nibbles (e, e + 4): q <= 4 from one code word, q > 4 from the hi and lo words
-template <int Q>
-__device__ __forceinline__ u32 weight_pair(u32 hi, u32 lo, int e, const RowCoef& rc) {
-#if CT == 0
-    const u32 NEG_BIAS = 0xC300C300u, ONE = 0x3F803F80u, SIXTEEN = 0x41804180u, NEG_16BIAS = 0xC500C500u;
-#else
-    const u32 NEG_BIAS = 0xE400E400u, ONE = 0x3C003C00u, SIXTEEN = 0x4C004C00u, NEG_16BIAS = 0xF400F400u;
-#endif
-    const u32 NEG_ZERO = 0x80008000u;
-    if (Q <= 4) {
-#if CT == 0
-        return pfma(code_pair(hi, e), rc.a2, rc.c2);
-#else
-        return pfma(pfma(pfma(code_pair(hi, e), ONE, NEG_BIAS), ONE, rc.c2), rc.a2, NEG_ZERO);
-#endif
-    } else {
-        const u32 h16 = pfma(code_pair(hi, e), SIXTEEN, NEG_16BIAS);  // 16 hi, exact
-        const u32 lo1 = pfma(code_pair(lo, e), ONE, NEG_BIAS);        // lo, exact
-        const u32 c = pfma(h16, ONE, lo1);                            // 16 hi + lo <= 255, exact
-#if CT == 0
-        return pfma(c, rc.a2, rc.c2);
-#else
-        return pfma(pfma(c, ONE, rc.c2), rc.a2, NEG_ZERO);
-#endif
-    }
+    return pfma(exact_code_pair<Q>(hi, lo, e), a2, z2);
 }
 
 // w13's epilogue, second half: the block's [ROWS pairs][OUTS] tile of silu(gate) * up (the compute type, in shared
