@@ -247,7 +247,8 @@ def test_wgmma_variants_assemble_without_serialization_or_spills(cfg):
 
 def test_offset_in_weights_builds_whole_weights_and_drops_the_offset_pass():
     """offset_in_weights: two packed fmas per weight pair (the code exactly, then c A + z) where the default has one,
-    and w2 keeps none of the 128-per-chunk fp32 offset fmas of the default (w2's only other fp32 math is a handful)."""
+    and w2 keeps none of the default's fp32 offset fmas (64 per chunk and bitwidth at 128 x 64; w2's only other fp32
+    math is a handful)."""
 
     def ops(cfg):
         sass = sass_of(compile_to_cubin(gemm_defines(1, cfg, 4, 128, 0), "90a"))
