@@ -21,7 +21,9 @@
 #                                           # benchmark/prefill_bench.py beside them (GROUPED_PARTS="tests anchors bench",
 #                                           # PB_MODELS, PB_MS, PB_CASES; tests and bench need no devicekit); the parts
 #                                           # "sweep" (grouped_sweep.py: SW_MODELS, SW_MS, SW_CONFIGS) and "diag"
-#                                           # (grouped_diag.py: DIAG_MODELS, DIAG_M, DIAG_CONFIG, DIAGS) run first
+#                                           # (grouped_diag.py: DIAG_MODELS, DIAG_M, DIAG_CONFIG, DIAGS) run first,
+#                                           # then "ncu" (grouped_ncu.py at 256 x 128: NCU_MODEL, NCU_M, NCU_VARIANTS
+#                                           # of "red_v4,offset_in_weights", default "0,0 0,1")
 #   bash benchmark/gpu_session.sh lutk      # CUDA LUT kernel: GPU tests + linear and MoE decode timings (no devicekit)
 #   bash benchmark/gpu_session.sh linear    # dense AP linear tests + benchmark/linear_bench.py (no devicekit needed)
 #   bash benchmark/gpu_session.sh serve     # server smoke test + bench_one_batch stock bf16 vs AP 4-bit experts vs
@@ -118,6 +120,17 @@ if [ "$stage" = grouped ]; then
     timeout "${DIAG_TIMEOUT:-150}" python3 benchmark/grouped_diag.py --out "$OUT/grouped_diag.json" \
       --models "${DIAG_MODELS:-qwen3moe}" --m "${DIAG_M:-2048}" --config "${DIAG_CONFIG:-2.3.r256}" \
       --diags "${DIAGS:-0,1,2,8,24,4}" 2>&1 | grep "^{" | cut -c1-200
+  fi
+  if [[ "$parts" == *" ncu "* ]]; then  # ncu of the 256 x 128 kernel per "red_v4 offset_in_weights" variant
+    for v in ${NCU_VARIANTS:-0,0 0,1}; do
+      rv="${v%,*}"; ow="${v#*,}"
+      timeout "${NCU_TIMEOUT:-60}" ncu --clock-control none --kernel-name ap_grouped_gemm --launch-skip 2 --launch-count 2 \
+        --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+        --section MemoryWorkloadAnalysis python3 benchmark/grouped_ncu.py --model "${NCU_MODEL:-qwen3moe}" \
+        --m "${NCU_M:-2048}" --wn 2 --stages 3 --rows 256 --red-v4 "$rv" --ow "$ow" >"$OUT/ncu_grouped_rv${rv}_ow${ow}.txt" 2>&1
+      grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Issue Slots Busy|No Eligible|Warp Cycles Per Issued" \
+        "$OUT/ncu_grouped_rv${rv}_ow${ow}.txt" | head -12
+    done
   fi
   if [[ "$parts" == *" tests "* ]]; then
     timeout "${GROUPED_TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_kernel_grouped.py \
