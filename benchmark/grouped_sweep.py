@@ -42,14 +42,15 @@ def kernel_times(call) -> list[tuple[str, float]]:
 
 
 def parse_config(text: str) -> GroupedConfig:
-    """wn.stages[.mma|.ws|.r256][.rv][.ow][.pf128|.pf256]: mma.sync instead of wgmma, the warp-specialized kernel,
-    or 256-row blocks; w2's vector reductions (red_v4); the offset inside the weights (offset_in_weights); the L2
-    prefetch size of the copies."""
+    """wn.stages[.mma|.ws|.r256][.rv][.ow][.lag2][.pf128|.pf256]: mma.sync instead of wgmma, the warp-specialized
+    kernel, or 256-row blocks; w2's vector reductions (red_v4); the offset inside the weights (offset_in_weights);
+    refills of the slot read two chunks ago (refill_lag=2); the L2 prefetch size of the copies."""
     wn, stages, *tags = text.split(".")
     pf = [int(t[2:]) for t in tags if t.startswith("pf")]
-    kind = [t for t in tags if not t.startswith("pf") and t not in ("rv", "ow")]
+    kind = [t for t in tags if not t.startswith("pf") and t not in ("rv", "ow", "lag2")]
     return GroupedConfig(int(wn), int(stages), wgmma=kind != ["mma"], ws=kind == ["ws"], l2_prefetch=pf[0] if pf else 0,
-                         rows=256 if kind == ["r256"] else 128, red_v4="rv" in tags, offset_in_weights="ow" in tags)
+                         rows=256 if kind == ["r256"] else 128, red_v4="rv" in tags, offset_in_weights="ow" in tags,
+                         refill_lag=2 if "lag2" in tags else 1)
 
 
 def main() -> None:
@@ -63,7 +64,7 @@ def main() -> None:
     ap.add_argument("--configs", default="1.3,1.4,2.3,2.4,2.3.mma",
                     help="comma list of wn.stages[.mma|.ws|.r256][.rv][.ow][.pf128|.pf256] (e.g. 2.3.ws: 128 pairs, 3 "
                          "stages, warp-specialized; 2.3.r256.rv: 256 rows x 128 pairs, w2's vector reductions; .ow: "
-                         "the offset inside the weights)")
+                         "the offset inside the weights; .lag2: refills two chunks back)")
     ap.add_argument("--tiles", action="store_true", help="also time the dequantize-then-GEMM path")
     args = ap.parse_args()
     t0 = time.time()

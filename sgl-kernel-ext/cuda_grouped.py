@@ -62,6 +62,10 @@ class GroupedConfig:
     # single-role kernel: each weight built whole, A c + z with z in the compute type (the dequantize-then-GEMM path's
     # rounding), so no fp32 group-offset pass waits for the MMAs at every group's end (one more packed fma per pair)
     offset_in_weights: bool = False
+    # single-role wgmma kernel, stages >= 3: 2 refills the slot read two chunks ago, which every MMA has finished (each
+    # k16 step waits for all but the newest), so no drain of the MMAs precedes a refill; one chunk less of copies in
+    # flight. 1 refills the slot of the chunk just read, after a drain
+    refill_lag: int = 1
 
     def __post_init__(self) -> None:
         if self.wn not in (1, 2):
@@ -78,6 +82,11 @@ class GroupedConfig:
             raise ValueError("red_v4 applies to the single-role grouped kernel: pass ws=False")
         if self.offset_in_weights and self.ws:
             raise ValueError("offset_in_weights applies to the single-role grouped kernel: pass ws=False")
+        if self.refill_lag not in (1, 2):
+            raise ValueError(f"refill_lag must be 1 or 2, got {self.refill_lag}")
+        if self.refill_lag == 2 and (self.ws or not self.wgmma or self.stages < 3):
+            raise ValueError("refill_lag=2 applies to the single-role wgmma kernel with at least 3 stages: pass "
+                             "ws=False, wgmma=True, stages>=3")
         if self.rows == 256 and (self.ws or not self.wgmma):
             raise ValueError("256-row blocks (rows=256) run on the single-role wgmma kernel: pass ws=False, "
                              "wgmma=True")
@@ -153,7 +162,8 @@ def gemm_defines(mode: int, cfg: GroupedConfig, bits_max: int, group_size: int, 
     return [f"-DMODE={mode}", f"-DWN={cfg.wn}", f"-DPMAX={bits_max}", f"-DG={group_size}", f"-DCT={compute}",
             f"-DSTAGES={cfg.stages}", f"-DWGMMA={int(cfg.wgmma)}", f"-DL2PF={cfg.l2_prefetch}",
             f"-DWGR={cfg.rows // ROWS_PER_BLOCK}", f"-DRING={cfg.ring_bytes(bits_max)}",
-            f"-DREDV={int(cfg.red_v4 and mode == MODE_W2)}", f"-DOFFW={int(cfg.offset_in_weights)}"]
+            f"-DREDV={int(cfg.red_v4 and mode == MODE_W2)}", f"-DOFFW={int(cfg.offset_in_weights)}",
+            f"-DLAG={cfg.refill_lag}"]
 
 
 def gemm_arch(cfg: GroupedConfig, compute_capability: str) -> str:

@@ -65,6 +65,13 @@
 #ifndef OFFW
 #define OFFW 0  // 1: the group offset inside each weight (weight_pair_ow), no offset pass over the accumulators
 #endif
+#ifndef LAG
+// chunks between a slot's last read and its refill: 1 refills the slot of chunk c - 1 at chunk c (after a drain of
+// the MMAs, which may still read it); 2 (wgmma, STAGES >= 3) refills the slot of chunk c - 2, which every MMA has
+// finished by then (each step waits for all but the newest step), so no drain precedes a refill, at one chunk less
+// of copies in flight
+#define LAG 1
+#endif
 #ifndef WGR
 #define WGR 1  // warpgroups along the weight rows: 2 = 256 rows per block, each warpgroup all BM pairs (wgmma)
 #endif
@@ -79,6 +86,9 @@
 #endif
 #if WGR == 2 && !WGMMA
 #error "WGR = 2 (256-row blocks) runs on wgmma"
+#endif
+#if LAG != 1 && !(LAG == 2 && WGMMA && STAGES >= 3)
+#error "LAG must be 1, or 2 with wgmma and at least 3 stages"
 #endif
 
 // A tile T (16 rows, 0 .. BROWS / 16 - 1) of warp row wr (0..3) in row warpgroup wgr, a = 0, 1: mma.sync gives a
@@ -248,12 +258,12 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 #endif
 
 #pragma unroll
-    for (int st = 0; st < STAGES - 1; ++st) issue(st);
+    for (int st = 0; st < STAGES - LAG; ++st) issue(st);
     load_raw(0);
     u32 diag_sink = 0;  // DIAG 2: the fragments' consumer, so their loads and decode remain
 
     for (int c = 0; c < chunks; ++c) {
-#if WGMMA && !(DIAG & 16)
+#if WGMMA && LAG == 1 && !(DIAG & 16)
         wg_wait<0>();  // the previous chunk's MMAs read the slot this iteration refills
 #endif
         if (c % (G / CHUNK) == 0) {  // a new group: this lane's row coefficients, then the next group's loads
@@ -268,9 +278,9 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
                 }
             load_raw(c / (G / CHUNK) + 1);
         }
-        cp_async_wait<STAGES - 2>();
+        cp_async_wait<STAGES - 1 - LAG>();
         __syncthreads();
-        issue(c + STAGES - 1);  // into the slot of chunk c - 1, which every thread has finished
+        issue(c + STAGES - LAG);  // into the slot of chunk c - LAG, which every thread and MMA has finished
         const u32 sb = smem_base + (u32)((c % STAGES) * STAGE_BYTES);
 
         // codes of this lane's rows: [tile][row g / g + 8][word j]

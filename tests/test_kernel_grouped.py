@@ -54,6 +54,10 @@ R256_CONFIGS = (*R256_MAIN, GroupedConfig(1, 2, rows=256), GroupedConfig(2, 2, r
 # the offset inside the weights (no fp32 offset pass): 256 x 128, 128 x 64 and mma.sync
 OW_CONFIGS = (GroupedConfig(2, 3, rows=256, offset_in_weights=True), GroupedConfig(1, 3, offset_in_weights=True),
               GroupedConfig(1, 3, wgmma=False, offset_in_weights=True))
+# refills of the slot read two chunks ago (no drain before a refill): with and without the offset in the weights, and
+# at four stages (two chunks of copies in flight); K of five and three chunks covers refills past the last chunk
+LAG_CONFIGS = (GroupedConfig(2, 3, rows=256, offset_in_weights=True, refill_lag=2),
+               GroupedConfig(2, 3, rows=256, refill_lag=2), GroupedConfig(1, 4, offset_in_weights=True, refill_lag=2))
 
 
 # ---------------------------------------------------------------- CPU: build, fragment order, algebra, configs
@@ -78,6 +82,10 @@ def test_every_variant_compiles_for_sm90(mode):
         assert cfg.shared_bytes(8) <= SHARED_LIMIT
         jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, 8, 128, 0), gemm_arch(cfg, "90")))
     for cfg, bits_max, group, compute in zip(OW_CONFIGS, (8, 4, 3), (128, 256, 128), (0, 1, 0)):  # offset in weights
+        jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, bits_max, group, compute),
+                                      gemm_arch(cfg, "90")))
+    for cfg, bits_max, group, compute in zip(LAG_CONFIGS, (8, 4, 3), (128, 256, 128), (0, 1, 0)):  # refill lag 2
+        assert cfg.shared_bytes(bits_max) <= SHARED_LIMIT
         jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, bits_max, group, compute),
                                       gemm_arch(cfg, "90")))
     for wn in (1, 2):  # the warp-specialized kernel, within one block's shared memory
@@ -260,6 +268,21 @@ def test_offset_in_weights_builds_whole_weights_and_drops_the_offset_pass():
     assert served["FFMA"] >= 4 * 64 and whole["FFMA"] <= 16  # 4 bitwidths x 64 offset fmas per chunk in the default
 
 
+def test_refill_lag_two_drains_the_mmas_only_after_the_mainloop():
+    """refill_lag=2: no wgmma.wait_group 0 before a refill. With the offset in the weights the only full drain left
+    per bitwidth is the one after the mainloop (one per instantiated bitwidth, 4 at a 4-bit parent), where refilling
+    the chunk just read drains once more per chunk; the k16 steps' waits for all but the newest MMA stay."""
+
+    def waits(cfg):
+        sass = sass_of(compile_to_cubin(gemm_defines(0, cfg, 4, 128, 0), "90a"))
+        return {n: sum(f"WARPGROUP.DEPBAR.LE gsb0, 0x{n}" in line for line in sass.splitlines()) for n in (0, 1)}
+
+    lag1 = waits(GroupedConfig(2, 3, rows=256, offset_in_weights=True))
+    lag2 = waits(GroupedConfig(2, 3, rows=256, offset_in_weights=True, refill_lag=2))
+    assert lag2[0] == 4 and lag1[0] == 2 * lag2[0], (lag1, lag2)
+    assert lag2[1] == lag1[1] > 0
+
+
 def test_l2_prefetch_hint_reaches_both_grouped_kernels():
     for ws in (False, True):
         for pf, tag in ((0, None), (128, "LTC128B"), (256, "LTC256B")):
@@ -298,6 +321,11 @@ def test_configs_and_refusals():
     assert "-DREDV=0" in gemm_defines(0, GroupedConfig(rows=256, red_v4=True), 8, 128, 0)  # w13 has no reduction
     with pytest.raises(ValueError, match="rows must be 128 or 256"):
         GroupedConfig(rows=192)
+    for bad in (dict(refill_lag=3), dict(refill_lag=2, stages=2), dict(refill_lag=2, wgmma=False),
+                dict(refill_lag=2, ws=True)):
+        with pytest.raises(ValueError, match="refill_lag"):
+            GroupedConfig(**bad)
+    assert "-DLAG=2" in gemm_defines(0, GroupedConfig(refill_lag=2), 8, 128, 0)
     for bad in (dict(ws=True), dict(wgmma=False)):
         with pytest.raises(ValueError, match="single-role wgmma"):
             GroupedConfig(rows=256, **bad)
@@ -357,7 +385,7 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
     x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
     ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
     for cfg in (GroupedConfig(1, 2), GroupedConfig(2, 3), GroupedConfig(2, 4), GroupedConfig(1, 3, wgmma=False),
-                GroupedConfig(2, 2, wgmma=False), *WS_CONFIGS, *R256_CONFIGS, *OW_CONFIGS):
+                GroupedConfig(2, 2, wgmma=False), *WS_CONFIGS, *R256_CONFIGS, *OW_CONFIGS, *LAG_CONFIGS):
         out = ap_fused_moe_grouped(x, tw, ids, p13.weights, p2.weights, config=cfg)
         assert rel_err(out, ref) < 2e-2, cfg
 
