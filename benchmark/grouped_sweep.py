@@ -41,6 +41,16 @@ def kernel_times(call) -> list[tuple[str, float]]:
     return [(e.name[:40], round(e.device_time, 1)) for e in sorted(events, key=lambda e: e.time_range.start)]
 
 
+def block_fill(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> float:
+    """Real pairs over the pair slots of the token blocks the alignment makes (each expert padded to whole blocks of
+    block_m): a block costs its whole decode and wgmma N however few of its slots are real."""
+    ids = topk_ids.flatten().long()
+    ids = ids[ids >= 0]  # -1: an expert of another rank
+    counts = torch.bincount(ids, minlength=num_experts)
+    blocks = int(((counts + block_m - 1) // block_m).sum())
+    return ids.numel() / max(1, blocks * block_m)
+
+
 def parse_config(text: str) -> GroupedConfig:
     """wn.stages[.mma|.ws|.r256][.rv][.ow][.lag2][.pf128|.pf256]: mma.sync instead of wgmma, the warp-specialized
     kernel, or 256-row blocks; w2's vector reductions (red_v4); the offset inside the weights (offset_in_weights);
@@ -94,7 +104,8 @@ def main() -> None:
                     else:
                         r = dict(model=mk, case=case, M=M, wn=cfg.wn, stages=cfg.stages, wgmma=cfg.wgmma, ws=cfg.ws,
                                  rows=cfg.rows, red_v4=cfg.red_v4, offset_in_weights=cfg.offset_in_weights,
-                                 default=cfg == default)
+                                 refill_lag=cfg.refill_lag, default=cfg == default,
+                                 block_fill=block_fill(ids, E, cfg.block_m))
                         call = lambda: ap_fused_moe_grouped(x, tw, ids, w13, w2, config=cfg)  # noqa: E731
                     try:
                         out = call().float()
@@ -107,7 +118,8 @@ def main() -> None:
                     rows.append(r)
                     name = ("tiles" if cfg == "tiles" else
                             f"wn={cfg.wn} st={cfg.stages} wgmma={int(cfg.wgmma)} ws={int(cfg.ws)} rows={cfg.rows} "
-                            f"rv={int(cfg.red_v4)} ow={int(cfg.offset_in_weights)}")
+                            f"rv={int(cfg.red_v4)} ow={int(cfg.offset_in_weights)} lag={cfg.refill_lag} "
+                            f"fill={r['block_fill']:.2f}")
                     print(f"{mk:<10} {case} M={M:<5} {name} {r.get('us', float('nan')):9.1f} us "
                           f"err {r.get('rel_err_vs_tiles', float('nan')):.1e} {r.get('error', '')} {r.get('kernels', '')}",
                           flush=True)

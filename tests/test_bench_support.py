@@ -363,3 +363,18 @@ def test_summarize_e2e_writes_the_issue_headline_keys(tmp_path, monkeypatch, cap
     assert [r["batch_size"] for r in doc["e2e_runs"]["qwen15moe"]["ap4"]] == [1, 16]  # this call's, not the file's 64
     assert doc["e2e_runs"]["qwen3moe"]["ap4"] == [old_row]
     assert "| qwen15moe | 16 | 1400.0 / 1600.0 / 1760.0 / - | 1.1 |" in capsys.readouterr().out
+
+
+def test_grouped_sweep_reads_config_tags_and_counts_the_blocks_padding():
+    """grouped_sweep.py: every tag reaches its GroupedConfig field, and block_fill is the real pairs over the slots of
+    the blocks the alignment makes (each expert padded to whole blocks; -1, another rank's expert, takes none)."""
+    import torch
+
+    sweep = _load_script("grouped_sweep")
+    cfg = sweep.parse_config("2.3.r256.ow.lag2")
+    fields = (cfg.wn, cfg.stages, cfg.rows, cfg.offset_in_weights, cfg.refill_lag, cfg.red_v4)
+    assert fields == (2, 3, 256, True, 2, False)
+    assert sweep.parse_config("1.3.rv").red_v4 and sweep.parse_config("1.3").refill_lag == 1
+    ids = torch.tensor([[0, 1], [0, -1], [2, 1], [0, 1]])  # expert 0: 3 pairs, 1: 3, 2: 1
+    assert sweep.block_fill(ids, 4, 2) == 7 / 10  # blocks of 2: 2 + 2 + 1
+    assert sweep.block_fill(ids, 4, 4) == 7 / 12
