@@ -66,6 +66,9 @@ class GroupedConfig:
     # k16 step waits for all but the newest), so no drain of the MMAs precedes a refill; one chunk less of copies in
     # flight. 1 refills the slot of the chunk just read, after a drain
     refill_lag: int = 1
+    # 256 x 128 blocks: a block whose real pairs fit 64 or 32 (an expert's last, padded block) runs its wgmma at that N,
+    # so the alignment's padding costs no tensor work there (its decode stays)
+    narrow_tail: bool = False
 
     def __post_init__(self) -> None:
         if self.wn not in (1, 2):
@@ -87,6 +90,8 @@ class GroupedConfig:
         if self.refill_lag == 2 and (self.ws or not self.wgmma or self.stages < 3):
             raise ValueError("refill_lag=2 applies to the single-role wgmma kernel with at least 3 stages: pass "
                              "ws=False, wgmma=True, stages>=3")
+        if self.narrow_tail and (self.rows != 256 or self.wn != 2):
+            raise ValueError("narrow_tail applies to 256 x 128 blocks: pass rows=256, wn=2")
         if self.rows == 256 and (self.ws or not self.wgmma):
             raise ValueError("256-row blocks (rows=256) run on the single-role wgmma kernel: pass ws=False, "
                              "wgmma=True")
@@ -163,7 +168,7 @@ def gemm_defines(mode: int, cfg: GroupedConfig, bits_max: int, group_size: int, 
             f"-DSTAGES={cfg.stages}", f"-DWGMMA={int(cfg.wgmma)}", f"-DL2PF={cfg.l2_prefetch}",
             f"-DWGR={cfg.rows // ROWS_PER_BLOCK}", f"-DRING={cfg.ring_bytes(bits_max)}",
             f"-DREDV={int(cfg.red_v4 and mode == MODE_W2)}", f"-DOFFW={int(cfg.offset_in_weights)}",
-            f"-DLAG={cfg.refill_lag}"]
+            f"-DLAG={cfg.refill_lag}", f"-DNARROW={int(cfg.narrow_tail)}"]
 
 
 def gemm_arch(cfg: GroupedConfig, compute_capability: str) -> str:

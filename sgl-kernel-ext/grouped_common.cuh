@@ -77,6 +77,21 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (*d)[4], const u32* a, u64
         : WG_ACC8(d, 0)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
+// d[64 x 32] += A[64 x 16] (registers, as above) x B[16 x 32] (shared, K-major)
+__device__ __forceinline__ void wgmma_m64n32k16(float (*d)[4], const u32* a, u64 desc) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, 1, 0;\n"  // scale-d: accumulate
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32." MMA_TYPE "." MMA_TYPE " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n"
+        "}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+          "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+          "+f"(d[3][2]), "+f"(d[3][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
 // d[64 x 128] += A[64 x 16] (registers, as above) x B[16 x 128] (shared, K-major)
 __device__ __forceinline__ void wgmma_m64n128k16(float (*d)[4], const u32* a, u64 desc) {
     asm volatile(

@@ -12,6 +12,7 @@ between CUDA-graph replays.
 
 from __future__ import annotations
 
+import collections
 import functools
 import re
 
@@ -58,6 +59,9 @@ OW_CONFIGS = (GroupedConfig(2, 3, rows=256, offset_in_weights=True), GroupedConf
 # at four stages (two chunks of copies in flight); K of five and three chunks covers refills past the last chunk
 LAG_CONFIGS = (GroupedConfig(2, 3, rows=256, offset_in_weights=True, refill_lag=2),
                GroupedConfig(2, 3, rows=256, refill_lag=2), GroupedConfig(1, 4, offset_in_weights=True, refill_lag=2))
+# 256 x 128 blocks whose wgmma N narrows to a padded block's real pairs (64 or 32): alone, and with the two above
+NARROW_CONFIGS = (GroupedConfig(2, 3, rows=256, narrow_tail=True),
+                  GroupedConfig(2, 3, rows=256, narrow_tail=True, offset_in_weights=True, refill_lag=2))
 
 
 # ---------------------------------------------------------------- CPU: build, fragment order, algebra, configs
@@ -86,6 +90,9 @@ def test_every_variant_compiles_for_sm90(mode):
                                       gemm_arch(cfg, "90")))
     for cfg, bits_max, group, compute in zip(LAG_CONFIGS, (8, 4, 3), (128, 256, 128), (0, 1, 0)):  # refill lag 2
         assert cfg.shared_bytes(bits_max) <= SHARED_LIMIT
+        jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, bits_max, group, compute),
+                                      gemm_arch(cfg, "90")))
+    for cfg, bits_max, group, compute in zip(NARROW_CONFIGS, (8, 4), (128, 256), (0, 1)):  # narrow tails
         jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, bits_max, group, compute),
                                       gemm_arch(cfg, "90")))
     for wn in (1, 2):  # the warp-specialized kernel, within one block's shared memory
@@ -236,7 +243,8 @@ def test_diag_knob_leaves_out_what_it_names():
 
 
 @pytest.mark.parametrize("cfg", [GroupedConfig(2, 3, rows=256), GroupedConfig(2, 3, rows=256, red_v4=True),
-                                 GroupedConfig(1, 3)], ids=["r256", "r256_red_v4", "r128_wn1"])
+                                 GroupedConfig(1, 3), GroupedConfig(2, 3, rows=256, narrow_tail=True)],
+                         ids=["r256", "r256_red_v4", "r128_wn1", "r256_narrow_tail"])
 def test_wgmma_variants_assemble_without_serialization_or_spills(cfg):
     """The served wgmma kernels (w13 and w2, up to 4 and 8 bits): ptxas keeps their MMAs asynchronous (no C7510 /
     C7515 serialization warning, which would make every wgmma wait for the one before) and spills nothing up to 4
@@ -283,6 +291,22 @@ def test_refill_lag_two_drains_the_mmas_only_after_the_mainloop():
     assert lag2[1] == lag1[1] > 0
 
 
+def test_narrow_tail_multiplies_a_padded_block_at_its_real_width():
+    """narrow_tail: each k16 step holds the 128-, 64- and 32-pair wgmma (one runs, chosen per block by its real
+    pairs), so the MMA count triples in the SASS and nothing else of the mainloop changes its instruction mix."""
+
+    def mix(cfg):
+        sass = sass_of(compile_to_cubin(gemm_defines(0, cfg, 4, 128, 0), "90a"))
+        return collections.Counter(re.findall(r"HGMMA\.(64x(?:32|64|128)x16)\.F32", sass)), sass.count(" HFMA2")
+
+    (served, fmas), (narrow, narrow_fmas) = mix(GroupedConfig(2, 3, rows=256)), mix(
+        GroupedConfig(2, 3, rows=256, narrow_tail=True))
+    assert set(served) == {"64x128x16"} and served["64x128x16"] > 0
+    assert narrow == {"64x128x16": served["64x128x16"], "64x64x16": served["64x128x16"],
+                      "64x32x16": served["64x128x16"]}
+    assert narrow_fmas == fmas
+
+
 def test_l2_prefetch_hint_reaches_both_grouped_kernels():
     for ws in (False, True):
         for pf, tag in ((0, None), (128, "LTC128B"), (256, "LTC256B")):
@@ -326,6 +350,10 @@ def test_configs_and_refusals():
         with pytest.raises(ValueError, match="refill_lag"):
             GroupedConfig(**bad)
     assert "-DLAG=2" in gemm_defines(0, GroupedConfig(refill_lag=2), 8, 128, 0)
+    for bad in (dict(narrow_tail=True), dict(narrow_tail=True, rows=256, wn=1)):
+        with pytest.raises(ValueError, match="narrow_tail"):
+            GroupedConfig(**bad)
+    assert "-DNARROW=1" in gemm_defines(1, GroupedConfig(rows=256, narrow_tail=True), 8, 128, 0)
     for bad in (dict(ws=True), dict(wgmma=False)):
         with pytest.raises(ValueError, match="single-role wgmma"):
             GroupedConfig(rows=256, **bad)
@@ -385,7 +413,8 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
     x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
     ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
     for cfg in (GroupedConfig(1, 2), GroupedConfig(2, 3), GroupedConfig(2, 4), GroupedConfig(1, 3, wgmma=False),
-                GroupedConfig(2, 2, wgmma=False), *WS_CONFIGS, *R256_CONFIGS, *OW_CONFIGS, *LAG_CONFIGS):
+                GroupedConfig(2, 2, wgmma=False), *WS_CONFIGS, *R256_CONFIGS, *OW_CONFIGS, *LAG_CONFIGS,
+                *NARROW_CONFIGS):
         out = ap_fused_moe_grouped(x, tw, ids, p13.weights, p2.weights, config=cfg)
         assert rel_err(out, ref) < 2e-2, cfg
 
