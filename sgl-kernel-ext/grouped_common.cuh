@@ -54,59 +54,37 @@ template <int N>
 __device__ __forceinline__ void wg_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
-// the "+f" operands of eight accumulator fragments d[b .. b + 7][0 .. 3] (32 registers of a wgmma D)
-#define WG_ACC8(d, b)                                                                                                \
+// the "+f" operands of four / eight accumulator fragments d[b ..][0 .. 3] (16 / 32 registers of a wgmma D)
+#define WG_ACC4(d, b)                                                                                                \
     "+f"(d[b][0]), "+f"(d[b][1]), "+f"(d[b][2]), "+f"(d[b][3]), "+f"(d[b + 1][0]), "+f"(d[b + 1][1]),               \
         "+f"(d[b + 1][2]), "+f"(d[b + 1][3]), "+f"(d[b + 2][0]), "+f"(d[b + 2][1]), "+f"(d[b + 2][2]),               \
-        "+f"(d[b + 2][3]), "+f"(d[b + 3][0]), "+f"(d[b + 3][1]), "+f"(d[b + 3][2]), "+f"(d[b + 3][3]),               \
-        "+f"(d[b + 4][0]), "+f"(d[b + 4][1]), "+f"(d[b + 4][2]), "+f"(d[b + 4][3]), "+f"(d[b + 5][0]),               \
-        "+f"(d[b + 5][1]), "+f"(d[b + 5][2]), "+f"(d[b + 5][3]), "+f"(d[b + 6][0]), "+f"(d[b + 6][1]),               \
-        "+f"(d[b + 6][2]), "+f"(d[b + 6][3]), "+f"(d[b + 7][0]), "+f"(d[b + 7][1]), "+f"(d[b + 7][2]),               \
-        "+f"(d[b + 7][3])
-// d[64 x 64] += A[64 x 16] (registers, the mma.m16n8k16 A fragment per warp) x B[16 x 64] (shared, K-major)
-__device__ __forceinline__ void wgmma_m64n64k16(float (*d)[4], const u32* a, u64 desc) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, 1, 0;\n"  // scale-d: accumulate
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." MMA_TYPE "." MMA_TYPE " "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n"
-        "}\n"
-        : WG_ACC8(d, 0)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
-}
-// d[64 x 32] += A[64 x 16] (registers, as above) x B[16 x 32] (shared, K-major)
+        "+f"(d[b + 2][3]), "+f"(d[b + 3][0]), "+f"(d[b + 3][1]), "+f"(d[b + 3][2]), "+f"(d[b + 3][3])
+#define WG_ACC8(d, b) WG_ACC4(d, b), WG_ACC4(d, b + 4)
+// d[64 x N] += A[64 x 16] (registers, the mma.m16n8k16 A fragment per warp) x B[16 x N] (shared, K-major), scale-d
+// on (accumulate): the instruction's text up to its D registers, and its A and descriptor operands
+#define WG_MMA_BEGIN(n)                                                                                              \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n" #n "k16.f32." MMA_TYPE "." MMA_TYPE " "
+#define WG_MMA_IN "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
 __device__ __forceinline__ void wgmma_m64n32k16(float (*d)[4], const u32* a, u64 desc) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, 1, 0;\n"  // scale-d: accumulate
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32." MMA_TYPE "." MMA_TYPE " "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-        "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n"
-        "}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-          "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
-          "+f"(d[3][2]), "+f"(d[3][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+    asm volatile(WG_MMA_BEGIN(32) "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                 "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+                 : WG_ACC4(d, 0)
+                 : WG_MMA_IN);
 }
-// d[64 x 128] += A[64 x 16] (registers, as above) x B[16 x 128] (shared, K-major)
+__device__ __forceinline__ void wgmma_m64n64k16(float (*d)[4], const u32* a, u64 desc) {
+    asm volatile(WG_MMA_BEGIN(64) "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                 : WG_ACC8(d, 0)
+                 : WG_MMA_IN);
+}
 __device__ __forceinline__ void wgmma_m64n128k16(float (*d)[4], const u32* a, u64 desc) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, 1, 0;\n"  // scale-d: accumulate
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32." MMA_TYPE "." MMA_TYPE " {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
-        "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
-        "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
-        "%56, %57, %58, %59, %60, %61, %62, %63"
-        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n"
-        "}\n"
-        : WG_ACC8(d, 0), WG_ACC8(d, 8)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+    asm volatile(WG_MMA_BEGIN(128) "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
+                 "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
+                 "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, "
+                 "%58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+                 : WG_ACC8(d, 0), WG_ACC8(d, 8)
+                 : WG_MMA_IN);
 }
 #endif
 
