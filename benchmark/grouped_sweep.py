@@ -73,9 +73,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--time-budget-s", type=float, default=200.0)
     ap.add_argument("--configs", default="1.3,1.4,2.3,2.4,2.3.mma",
-                    help="comma list of wn.stages[.mma|.ws|.r256][.rv][.ow][.lag2][.nt][.pf128|.pf256] (e.g. 2.3.ws: 128 pairs, 3 "
-                         "stages, warp-specialized; 2.3.r256.rv: 256 rows x 128 pairs, w2's vector reductions; .ow: "
-                         "the offset inside the weights; .lag2: refills two chunks back; .nt: narrow tails)")
+                    help="comma list of wn.stages[.mma|.ws|.r256][.rv][.ow][.lag2][.nt][.pf128|.pf256] (e.g. 2.3.ws: "
+                         "128 pairs, 3 stages, warp-specialized; 2.3.r256.rv: 256 rows x 128 pairs, w2's vector "
+                         "reductions; .ow: the offset inside the weights; .lag2: refills two chunks back; .nt: narrow "
+                         "tails)")
     ap.add_argument("--tiles", action="store_true", help="also time the dequantize-then-GEMM path")
     args = ap.parse_args()
     t0 = time.time()
