@@ -52,8 +52,8 @@ def block_fill(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> float:
 
 
 def parse_config(text: str) -> GroupedConfig:
-    """wn.stages[.mma|.ws|.r256][.rv][.ow][.lag2][.nt][.pf128|.pf256]: mma.sync instead of wgmma, the
-    warp-specialized kernel, or 256-row blocks; w2's vector reductions (red_v4); the offset inside the weights
+    """wn.stages[.mma|.ws|.r256][.rv][.ow][.lag2][.nt][.pf128|.pf256] (wn 4: 128 rows x 256 pairs): mma.sync instead
+    of wgmma, the warp-specialized kernel, or 256-row blocks; w2's vector reductions (red_v4); the offset inside the weights
     (offset_in_weights); refills of the slot read two chunks ago (refill_lag=2); padded blocks' wgmma at their real
     width (narrow_tail); the L2 prefetch size of the copies."""
     wn, stages, *tags = text.split(".")
@@ -113,7 +113,7 @@ def main() -> None:
                         out = call().float()
                         r["rel_err_vs_tiles"] = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
                         r["us"] = graph_time(call, args.reps, flush)["median"]
-                        if r.get("default") or r.get("ws") or r.get("rows") == 256:
+                        if r.get("default") or r.get("ws") or r.get("rows") == 256 or r.get("wn") == 4:
                             r["kernels"] = kernel_times(call)
                     except Exception as e:  # a config that cannot run on this shape is recorded, not fatal
                         r["error"] = f"{type(e).__name__}: {e}"[:300]

@@ -45,7 +45,10 @@ WEIGHT_TILE_BYTES = ROWS_PER_BLOCK * CHUNK * 2  # the warp-specialized kernel's 
 
 @dataclass(frozen=True)
 class GroupedConfig:
-    wn: int = 2  # 64 * wn pairs per block (the single-role kernel at 128 rows: 4 * wn warps)
+    # 64 * wn pairs per block (the single-role kernel at 128 rows: 4 * wn warps). wn = 4 (rows = 128, wgmma): 128
+    # rows x 256 pairs, the two warpgroups 64 rows each by all 256 pairs (wgmma m64n256k16): each decoded weight
+    # meets 256 pairs, and an expert of up to 256 pairs is one token block
+    wn: int = 2
     stages: int = 3  # chunks of 128 inputs in flight in shared memory
     wgmma: bool = True  # warpgroup MMA (sm_90a: Hopper) rather than mma.sync (any sm_80+ GPU)
     # warp-specialized (cuda_grouped_ws.cu, sm_90a): a producer warpgroup loads and decodes each chunk once into
@@ -66,13 +69,17 @@ class GroupedConfig:
     # k16 step waits for all but the newest), so no drain of the MMAs precedes a refill; one chunk less of copies in
     # flight. 1 refills the slot of the chunk just read, after a drain
     refill_lag: int = 1
-    # 256 x 128 blocks: a block whose real pairs fit 64 or 32 (an expert's last, padded block) runs its wgmma at that N,
-    # so the alignment's padding costs no tensor work there (its decode stays)
+    # 256 x 128 and 128 x 256 blocks: a block whose real pairs fit a narrower wgmma N (32, 64, 128 or 192; an expert's
+    # last, padded block) runs its wgmma at that N, so the alignment's padding costs no tensor work there (its decode
+    # stays)
     narrow_tail: bool = False
 
     def __post_init__(self) -> None:
-        if self.wn not in (1, 2):
-            raise ValueError(f"wn must be 1 or 2, got {self.wn}")
+        if self.wn not in (1, 2, 4):
+            raise ValueError(f"wn must be 1, 2 or 4, got {self.wn}")
+        if self.wn == 4 and (self.rows != 128 or self.ws or not self.wgmma):
+            raise ValueError("256-pair blocks (wn=4) are 128 rows on the single-role wgmma kernel: pass rows=128, "
+                             "ws=False, wgmma=True")
         if not 2 <= self.stages <= 4:
             raise ValueError(f"stages must be in 2..4, got {self.stages}")
         if self.l2_prefetch not in (0, 128, 256):
@@ -90,8 +97,8 @@ class GroupedConfig:
         if self.refill_lag == 2 and (self.ws or not self.wgmma or self.stages < 3):
             raise ValueError("refill_lag=2 applies to the single-role wgmma kernel with at least 3 stages: pass "
                              "ws=False, wgmma=True, stages>=3")
-        if self.narrow_tail and (self.rows != 256 or self.wn != 2):
-            raise ValueError("narrow_tail applies to 256 x 128 blocks: pass rows=256, wn=2")
+        if self.narrow_tail and not (self.rows == 256 and self.wn == 2 or self.wn == 4):
+            raise ValueError("narrow_tail applies to 256 x 128 and 128 x 256 blocks: pass rows=256, wn=2 or wn=4")
         if self.rows == 256 and (self.ws or not self.wgmma):
             raise ValueError("256-row blocks (rows=256) run on the single-role wgmma kernel: pass ws=False, "
                              "wgmma=True")
@@ -104,7 +111,7 @@ class GroupedConfig:
     def threads(self) -> int:
         if self.ws:
             return 384
-        return 256 if self.rows == 256 else 128 * self.wn
+        return 256 if self.rows == 256 or self.wn == 4 else 128 * self.wn
 
     @property
     def source(self) -> Path:
@@ -166,7 +173,8 @@ def gemm_defines(mode: int, cfg: GroupedConfig, bits_max: int, group_size: int, 
                 f"-DCT={compute}", f"-DSTAGES={cfg.stages}", f"-DL2PF={cfg.l2_prefetch}"]
     return [f"-DMODE={mode}", f"-DWN={cfg.wn}", f"-DPMAX={bits_max}", f"-DG={group_size}", f"-DCT={compute}",
             f"-DSTAGES={cfg.stages}", f"-DWGMMA={int(cfg.wgmma)}", f"-DL2PF={cfg.l2_prefetch}",
-            f"-DWGR={cfg.rows // ROWS_PER_BLOCK}", f"-DRING={cfg.ring_bytes(bits_max)}",
+            f"-DWGR={2 if cfg.rows == 256 or cfg.wn == 4 else 1}", f"-DTPW={1 if cfg.wn == 4 else 2}",
+            f"-DRING={cfg.ring_bytes(bits_max)}",
             f"-DREDV={int(cfg.red_v4 and mode == MODE_W2)}", f"-DOFFW={int(cfg.offset_in_weights)}",
             f"-DLAG={cfg.refill_lag}", f"-DNARROW={int(cfg.narrow_tail)}"]
 

@@ -3,12 +3,14 @@
 // with NVRTC (cuda_grouped.py); no CUDA headers.
 //
 // ubcq weight (docs/format.md): W[n, k] = 2 s c + z per group of G inputs, z = o - s (2^q - 1), c the q-bit code
-// (plane 0 = MSB). A block holds BROWS = 128 WGR weight rows (MODE 0: BROWS / 2 gate rows and their up rows) x
+// (plane 0 = MSB). A block holds BROWS = 64 TPW WGR weight rows (MODE 0: BROWS / 2 gate rows and their up rows) x
 // BM = 64 WN (token, slot) pairs of one expert (the sorted layout of moe_align_block_size), and walks K in chunks
 // of 128 inputs through a STAGES-deep cp.async pipeline in shared memory (activations, plane bytes, group sums).
 // WGR = 1: 4 WN warps, each 32 rows x 64 pairs (with WN = 2 both warpgroups decode the same rows). WGR = 2 (wgmma
 // only): two warpgroups split the 256 rows and each multiplies its 128 by all BM pairs (wgmma m64nBMk16), so every
-// weight is decoded once per block and meets BM pairs, and each activation byte read feeds 256 rows.
+// weight is decoded once per block and meets BM pairs, and each activation byte read feeds 256 rows; with TPW = 1
+// (WN = 4) they split 128 rows, 64 each, by all 256 pairs (wgmma m64n256k16): each weight meets twice the pairs
+// for half the rows an activation byte feeds.
 // Per chunk each warp (32 rows) takes its rows' plane words by ldmatrix (the 4 x 4 word transposition
 // of the fold kernel: lane quarter t of a chunk in lane t), bit-transposes them into nibble codes (two delta-swap
 // stages), and builds each weight pair of an mma fragment with one lop3 and one packed fma, centred:
@@ -32,7 +34,7 @@
 #error "MODE must be defined"
 #endif
 #ifndef WN
-#define WN 2  // warps along the pairs: BM = 64 WN pairs per block
+#define WN 2  // BM = 64 WN pairs per block (WGR = 1: WN warps along the pairs)
 #endif
 #ifndef PMAX
 #define PMAX 8
@@ -73,39 +75,52 @@
 #define LAG 1
 #endif
 #ifndef NARROW
-// 1 (256 x 128 blocks): a block whose real pairs fit 64 or 32 (an expert's last, padded block) runs its wgmma at that
-// N (the real pairs are the block's first slots), so the padding costs no tensor work; the decode stays per block
+// 1 (256 x 128 and 128 x 256 blocks): a block whose real pairs fit a narrower wgmma N (32, 64, 128 or 192; an
+// expert's last, padded block) runs its wgmma at that N (the real pairs are the block's first slots), so the padding
+// costs no tensor work; the decode stays per block
 #define NARROW 0
 #endif
 #ifndef WGR
-#define WGR 1  // warpgroups along the weight rows: 2 = 256 rows per block, each warpgroup all BM pairs (wgmma)
+#define WGR 1  // warpgroups along the weight rows: 2 = each warpgroup its own rows x all BM pairs (wgmma)
+#endif
+#ifndef TPW
+// 16-row tiles per warp: 2 (a warpgroup's 128 rows, two wgmma m64 per k16 step), or 1 (WGR = 2, WN = 4: 128 rows x
+// 256 pairs per block, each warpgroup 64 rows x 256 pairs by one wgmma m64n256k16, so each decoded weight meets 256
+// pairs and an expert of up to 256 pairs is one token block)
+#define TPW 2
 #endif
 #if G % 128
 #error "G must be a multiple of 128"
 #endif
-#if WN != 1 && WN != 2
-#error "WN must be 1 or 2"
+#if WN != 1 && WN != 2 && WN != 4
+#error "WN must be 1, 2 or 4"
+#endif
+#if TPW != 1 && TPW != 2
+#error "TPW must be 1 or 2"
+#endif
+#if (TPW == 1) != (WN == 4) || (TPW == 1 && WGR != 2)
+#error "128 x 256 blocks are TPW = 1, WN = 4, WGR = 2; every other block has TPW = 2 and WN <= 2"
 #endif
 #if WGR != 1 && WGR != 2
 #error "WGR must be 1 or 2"
 #endif
 #if WGR == 2 && !WGMMA
-#error "WGR = 2 (256-row blocks) runs on wgmma"
+#error "WGR = 2 (warpgroups along the rows) runs on wgmma"
 #endif
-#if NARROW && !(WGR == 2 && WN == 2)
-#error "NARROW runs on 256 x 128 blocks (WGR = 2, WN = 2)"
+#if NARROW && !(WGR == 2 && WN >= 2)
+#error "NARROW runs on 256 x 128 and 128 x 256 blocks (WGR = 2, WN = 2 or 4)"
 #endif
 #if LAG != 1 && !(LAG == 2 && WGMMA && STAGES >= 3)
 #error "LAG must be 1, or 2 with wgmma and at least 3 stages"
 #endif
 
-// A tile T (16 rows, 0 .. BROWS / 16 - 1) of warp row wr (0..3) in row warpgroup wgr, a = 0, 1: mma.sync gives a
-// warp two adjacent tiles; wgmma a warpgroup 64 rows per instruction, warp wr rows 16 wr .. 16 wr + 15 of each
-#define TILE(wgr, wr, a) (WGMMA ? 8 * (wgr) + 4 * (a) + (wr) : 2 * (wr) + (a))
+// A tile T (16 rows, 0 .. BROWS / 16 - 1) of warp row wr (0..3) in row warpgroup wgr, a = 0 .. TPW - 1: mma.sync
+// gives a warp two adjacent tiles; wgmma a warpgroup 64 rows per instruction, warp wr rows 16 wr .. 16 wr + 15 of each
+#define TILE(wgr, wr, a) (WGMMA ? 4 * TPW * (wgr) + 4 * (a) + (wr) : 2 * (wr) + (a))
 #define NWARPS (WGR == 2 ? 8 : 4 * WN)
 #define NTHREADS (NWARPS * 32)
 #define BM (64 * WN)
-#define BROWS (128 * WGR)
+#define BROWS (64 * TPW * WGR)
 #define NPW (WGR == 2 ? BM : 64)  // pairs of one warp's MMAs (the wgmma N)
 #define CHUNK 128
 #define A_PER (BM * 16 / NTHREADS)  // 16-byte activation copies per thread and stage
@@ -126,7 +141,7 @@
 template <class F>
 __device__ __forceinline__ void each_acc(float (*acc)[NPW / 8][4], int wn, int wgr, int wr, int g, int t, F f) {
 #pragma unroll
-    for (int a = 0; a < 2; ++a)
+    for (int a = 0; a < TPW; ++a)
 #pragma unroll
         for (int nt = 0; nt < NPW / 8; ++nt)
 #pragma unroll
@@ -224,9 +239,9 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 
     // (scale, offset) of this lane's rows: tile a, rows g (0) and g + 8 (1)
     const u16* table = (const u16*)prow[1];
-    const u16* tab[2][2];
+    const u16* tab[TPW][2];
 #pragma unroll
-    for (int a = 0; a < 2; ++a)
+    for (int a = 0; a < TPW; ++a)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
 #if MODE == 0
@@ -239,10 +254,10 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
             tab[a][h] = table + (long long)gr * ngroups;
         }
     const long long toff = (long long)n_table * ngroups;
-    u16 raw[2][2][2];
+    u16 raw[TPW][2][2];
     auto load_raw = [&](int grp) {
 #pragma unroll
-        for (int a = 0; a < 2; ++a)
+        for (int a = 0; a < TPW; ++a)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int gg = grp < ngroups ? grp : ngroups - 1;
@@ -250,9 +265,9 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
                 raw[a][h][1] = __ldg(tab[a][h] + toff + gg);
             }
     };
-    RowCoef rc[2][2];
+    RowCoef rc[TPW][2];
 #if OFFW
-    u32 z2[2][2];  // each row's group offset z = o - s (2^q - 1), splat in the compute type
+    u32 z2[TPW][2];  // each row's group offset z = o - s (2^q - 1), splat in the compute type
 #endif
 
     // ldmatrix addresses: planes (lane >> 4: +1 plane, (lane >> 3) & 1: row half), activations (matrix
@@ -276,7 +291,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 #endif
         if (c % (G / CHUNK) == 0) {  // a new group: this lane's row coefficients, then the next group's loads
 #pragma unroll
-            for (int a = 0; a < 2; ++a)
+            for (int a = 0; a < TPW; ++a)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     rc[a][h] = make_row_coef<Q>(raw[a][h][0], raw[a][h][1]);
@@ -292,9 +307,9 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
         const u32 sb = smem_base + (u32)((c % STAGES) * STAGE_BYTES);
 
         // codes of this lane's rows: [tile][row g / g + 8][word j]
-        u32 hi[2][2][4], lo[2][2][4];
+        u32 hi[TPW][2][4], lo[TPW][2][4];
 #pragma unroll
-        for (int a = 0; a < (DIAG & 1 ? 0 : 2); ++a) {
+        for (int a = 0; a < (DIAG & 1 ? 0 : TPW); ++a) {
             u32 wa[Q], wb[Q];
 #pragma unroll
             for (int pp = 0; pp < Q / 2; ++pp)
@@ -312,9 +327,9 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
         for (int j = 0; j < 4; ++j) {
 #pragma unroll
             for (int e0 = 0; e0 < 4; e0 += 2) {
-                u32 af[2][4];
+                u32 af[TPW][4];
 #pragma unroll
-                for (int a = 0; a < 2; ++a) {
+                for (int a = 0; a < TPW; ++a) {
 #if DIAG & 1
                     af[a][0] = af[a][2] = rc[a][0].a2;
                     af[a][1] = af[a][3] = rc[a][1].a2;
@@ -335,7 +350,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 #if DIAG & 2
                 // no MMA: the fragments feed the sink instead
 #pragma unroll
-                for (int a = 0; a < 2; ++a) diag_sink ^= af[a][0] ^ af[a][1] ^ af[a][2] ^ af[a][3];
+                for (int a = 0; a < TPW; ++a) diag_sink ^= af[a][0] ^ af[a][1] ^ af[a][2] ^ af[a][3];
 #elif WGMMA
                 // pieces (j, e0), (j, e0 + 1) of this warpgroup's NPW pairs: 32 bytes into the atom's rows (the
                 // hardware applies the swizzle to the address), 8-row groups 1024 bytes apart
@@ -356,6 +371,14 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 #elif NPW == 128
                 wgmma_m64n128k16(acc[0], af[0], desc);
                 wgmma_m64n128k16(acc[1], af[1], desc);
+#elif NPW == 256 && NARROW
+                if (width > 192) wgmma_m64n256k16(acc[0], af[0], desc);
+                else if (width > 128) wgmma_m64n192k16(acc[0], af[0], desc);
+                else if (width > 64) wgmma_m64n128k16(acc[0], af[0], desc);
+                else if (width > 32) wgmma_m64n64k16(acc[0], af[0], desc);
+                else wgmma_m64n32k16(acc[0], af[0], desc);
+#elif NPW == 256
+                wgmma_m64n256k16(acc[0], af[0], desc);
 #else
                 wgmma_m64n64k16(acc[0], af[0], desc);
                 wgmma_m64n64k16(acc[1], af[1], desc);
@@ -372,7 +395,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
                             bf[2 * nt2 + 1][0], bf[2 * nt2 + 1][1]);
                 }
 #pragma unroll
-                for (int a = 0; a < 2; ++a)
+                for (int a = 0; a < TPW; ++a)
 #pragma unroll
                     for (int nt = 0; nt < 8; ++nt) mma16816(acc[a][nt], af[a], bf[nt][0], bf[nt][1]);
 #endif
@@ -387,7 +410,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
             for (int nt = 0; nt < NPW / 8; ++nt) {
                 const float2 sv = *(const float2*)(S + NPW * wn + 8 * nt + 2 * t);
 #pragma unroll
-                for (int a = 0; a < 2; ++a) {
+                for (int a = 0; a < TPW; ++a) {
                     acc[a][nt][0] = fmaf(rc[a][0].z, sv.x, acc[a][nt][0]);
                     acc[a][nt][1] = fmaf(rc[a][0].z, sv.y, acc[a][nt][1]);
                     acc[a][nt][2] = fmaf(rc[a][1].z, sv.x, acc[a][nt][2]);
@@ -426,15 +449,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
 #if NARROW
     // the block's real pairs (its first slots): the wgmma N that covers them
     const int real = __syncthreads_count(tid < BM && slot_pair[tid] >= 0);
-    const int width = real > 64 ? 128 : real > 32 ? 64 : 32;
+    const int width = real > 128 ? (real > 192 ? 256 : 192) : real > 64 ? 128 : real > 32 ? 64 : 32;
 #else
     __syncthreads();
     const int width = BM;
 #endif
 
-    float acc[2][NPW / 8][4];
+    float acc[TPW][NPW / 8][4];
 #pragma unroll
-    for (int a = 0; a < 2; ++a)
+    for (int a = 0; a < TPW; ++a)
 #pragma unroll
         for (int nt = 0; nt < NPW / 8; ++nt) acc[a][nt][0] = acc[a][nt][1] = acc[a][nt][2] = acc[a][nt][3] = 0.f;
 
@@ -451,7 +474,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
     __syncthreads();
     u16* tile = (u16*)smem;
 #pragma unroll
-    for (int a = 0; a < 2; ++a)
+    for (int a = 0; a < TPW; ++a)
 #pragma unroll
         for (int nt = 0; nt < NPW / 8; ++nt)
 #pragma unroll

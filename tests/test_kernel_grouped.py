@@ -62,6 +62,12 @@ LAG_CONFIGS = (GroupedConfig(2, 3, rows=256, offset_in_weights=True, refill_lag=
 # 256 x 128 blocks whose wgmma N narrows to a padded block's real pairs (64 or 32): alone, and with the two above
 NARROW_CONFIGS = (GroupedConfig(2, 3, rows=256, narrow_tail=True),
                   GroupedConfig(2, 3, rows=256, narrow_tail=True, offset_in_weights=True, refill_lag=2))
+# 128 rows x 256 pairs (wgmma m64n256k16): two stages where an 8-bit parent's planes leave no room for three; plain,
+# narrowed to the real pairs (N 32 .. 256), and with w2's vector reductions and the offset in the weights
+W256_CONFIGS = (GroupedConfig(4, 2), GroupedConfig(4, 2, narrow_tail=True),
+                GroupedConfig(4, 2, narrow_tail=True, offset_in_weights=True, red_v4=True))
+# ... and three stages up to 4 bits, with the lagged refill
+W256_U4_CONFIGS = (GroupedConfig(4, 3), GroupedConfig(4, 3, narrow_tail=True, offset_in_weights=True, refill_lag=2))
 
 
 # ---------------------------------------------------------------- CPU: build, fragment order, algebra, configs
@@ -93,6 +99,11 @@ def test_every_variant_compiles_for_sm90(mode):
         jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, bits_max, group, compute),
                                       gemm_arch(cfg, "90")))
     for cfg, bits_max, group, compute in zip(NARROW_CONFIGS, (8, 4), (128, 256), (0, 1)):  # narrow tails
+        jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, bits_max, group, compute),
+                                      gemm_arch(cfg, "90")))
+    for cfg, bits_max, group, compute in zip((*W256_CONFIGS, *W256_U4_CONFIGS), (8, 8, 3, 4, 4),
+                                             (128, 256, 128, 128, 256), (0, 1, 0, 0, 1)):  # 128 x 256 blocks
+        assert cfg.shared_bytes(bits_max) <= SHARED_LIMIT
         jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, bits_max, group, compute),
                                       gemm_arch(cfg, "90")))
     for wn in (1, 2):  # the warp-specialized kernel, within one block's shared memory
@@ -243,8 +254,9 @@ def test_diag_knob_leaves_out_what_it_names():
 
 
 @pytest.mark.parametrize("cfg", [GroupedConfig(2, 3, rows=256), GroupedConfig(2, 3, rows=256, red_v4=True),
-                                 GroupedConfig(1, 3), GroupedConfig(2, 3, rows=256, narrow_tail=True)],
-                         ids=["r256", "r256_red_v4", "r128_wn1", "r256_narrow_tail"])
+                                 GroupedConfig(1, 3), GroupedConfig(2, 3, rows=256, narrow_tail=True),
+                                 GroupedConfig(4, 3, narrow_tail=True)],
+                         ids=["r256", "r256_red_v4", "r128_wn1", "r256_narrow_tail", "w256_narrow_tail"])
 def test_wgmma_variants_assemble_without_serialization_or_spills(cfg):
     """The served wgmma kernels (w13 and w2, up to 4 and 8 bits): ptxas keeps their MMAs asynchronous (no C7510 /
     C7515 serialization warning, which would make every wgmma wait for the one before) and spills nothing up to 4
@@ -297,7 +309,7 @@ def test_narrow_tail_multiplies_a_padded_block_at_its_real_width():
 
     def mix(cfg):
         sass = sass_of(compile_to_cubin(gemm_defines(0, cfg, 4, 128, 0), "90a"))
-        return collections.Counter(re.findall(r"HGMMA\.(64x(?:32|64|128)x16)\.F32", sass)), sass.count(" HFMA2")
+        return collections.Counter(re.findall(r"HGMMA\.(64x(?:32|64|128|192|256)x16)\.F32", sass)), sass.count(" HFMA2")
 
     (served, fmas), (narrow, narrow_fmas) = mix(GroupedConfig(2, 3, rows=256)), mix(
         GroupedConfig(2, 3, rows=256, narrow_tail=True))
@@ -305,6 +317,13 @@ def test_narrow_tail_multiplies_a_padded_block_at_its_real_width():
     assert narrow == {"64x128x16": served["64x128x16"], "64x64x16": served["64x128x16"],
                       "64x32x16": served["64x128x16"]}
     assert narrow_fmas == fmas
+    # 128 x 256: one m64n256k16 per warpgroup and k16 step (half the 256 x 128 kernel's MMA instructions, each twice
+    # as wide) on half the decode per warp (16 rows, not 32); narrowed, five widths per step
+    (w256, w256_fmas), (w256_narrow, w256_narrow_fmas) = mix(GroupedConfig(4, 3)), mix(
+        GroupedConfig(4, 3, narrow_tail=True))
+    steps = served["64x128x16"] // 2
+    assert w256 == {"64x256x16": steps} and fmas // 2 <= w256_fmas <= fmas // 2 + 2  # + the epilogue's few
+    assert w256_narrow == {f"64x{n}x16": steps for n in (256, 192, 128, 64, 32)} and w256_narrow_fmas == w256_fmas
 
 
 def test_l2_prefetch_hint_reaches_both_grouped_kernels():
@@ -360,6 +379,19 @@ def test_configs_and_refusals():
     r256 = GroupedConfig(wn=2, stages=3, rows=256)
     assert r256.threads == 256 and r256.shared_bytes(8) == 3 * 65 * 1024 + 1024  # 128 pairs + 8 planes x 256 rows
     assert GroupedConfig(wn=1, stages=4, rows=256).shared_bytes(8) <= SHARED_LIMIT < r256.shared_bytes(8) + 65 * 1024
+    # 128 rows x 256 pairs: two warpgroups (64 rows each), 64 KB of activations per stage; three stages fit up to 4
+    # bits, two at 8
+    w256 = GroupedConfig(wn=4, stages=3)
+    assert w256.threads == 256 and w256.block_m == 256 and w256.shared_bytes(4) == 3 * 73 * 1024 + 1024
+    assert w256.shared_bytes(4) <= SHARED_LIMIT < w256.shared_bytes(8)
+    assert GroupedConfig(wn=4, stages=2).shared_bytes(8) <= SHARED_LIMIT
+    assert {"-DWGR=2", "-DTPW=1"} <= set(gemm_defines(0, w256, 4, 128, 0))
+    assert {"-DWGR=2", "-DTPW=2"} <= set(gemm_defines(0, r256, 4, 128, 0))
+    assert {"-DWGR=1", "-DTPW=2"} <= set(gemm_defines(0, GroupedConfig(wn=2), 4, 128, 0))
+    assert "-DNARROW=1" in gemm_defines(0, GroupedConfig(wn=4, narrow_tail=True), 4, 128, 0)
+    for bad in (dict(rows=256), dict(ws=True), dict(wgmma=False)):
+        with pytest.raises(ValueError, match="wn=4"):
+            GroupedConfig(wn=4, **bad)
     ws = GroupedConfig(wn=2, stages=3, ws=True)
     assert ws.threads == 384 and ws.shared_bytes(8) == 3 * 49 * 1024 + 2 * 32 * 1024 + 1024  # + two weight tiles
     assert GroupedConfig(wn=2, stages=4, ws=True).shared_bytes(8) > SHARED_LIMIT
@@ -414,7 +446,7 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
     ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
     for cfg in (GroupedConfig(1, 2), GroupedConfig(2, 3), GroupedConfig(2, 4), GroupedConfig(1, 3, wgmma=False),
                 GroupedConfig(2, 2, wgmma=False), *WS_CONFIGS, *R256_CONFIGS, *OW_CONFIGS, *LAG_CONFIGS,
-                *NARROW_CONFIGS):
+                *NARROW_CONFIGS, *W256_CONFIGS):
         out = ap_fused_moe_grouped(x, tw, ids, p13.weights, p2.weights, config=cfg)
         assert rel_err(out, ref) < 2e-2, cfg
 
@@ -440,7 +472,7 @@ def test_moe_large_activations_and_uniform_bits():
     x = (torch.rand(150, 512, device="cuda") * 1e5).to(torch.bfloat16)
     ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
     assert rel_err(ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel="grouped"), ref) < 2e-2
-    for cfg in (*WS_MAIN, *R256_MAIN):
+    for cfg in (*WS_MAIN, *R256_MAIN, *W256_U4_CONFIGS):
         assert rel_err(ap_fused_moe_grouped(x, tw, ids, p13.weights, p2.weights, config=cfg), ref) < 2e-2, cfg
 
 
@@ -451,7 +483,7 @@ def test_moe_skips_non_local_experts():
     ids[::3, 1] = -1
     x = torch.randn(100, 256, device="cuda", dtype=torch.bfloat16)
     ref = ap_fused_moe_reference(x.float(), torch.where(ids < 0, 0.0, tw), ids.clamp(min=0), p13.weights, p2.weights)
-    for cfg in (GroupedConfig(1), GroupedConfig(2, wgmma=False), *WS_MAIN, *R256_MAIN):
+    for cfg in (GroupedConfig(1), GroupedConfig(2, wgmma=False), *WS_MAIN, *R256_MAIN, *W256_U4_CONFIGS):
         assert rel_err(ap_fused_moe_grouped(x, tw, ids, p13.weights, p2.weights, config=cfg), ref) < 2e-2, cfg
 
 
@@ -460,7 +492,7 @@ def test_moe_graph_replay_follows_rewritten_page_table():
     p13, p2 = _layer(8, 256, 256, [8] * 8, [8] * 8)
     check_graph_replay(p13, p2, m=120, topk=2, kernel="grouped",
                        bit_mixes=([8] * 8, [3] * 8, [2, 5, 8, 3, 4, 6, 7, 1]))
-    for cfg in R256_MAIN:
+    for cfg in (*R256_MAIN, W256_CONFIGS[1]):
         check_graph_replay(p13, p2, m=120, topk=2, kernel="grouped", bit_mixes=([3] * 8, [2, 5, 8, 3, 4, 6, 7, 1]),
                            call=lambda x, tw, ids, w13, w2, cfg=cfg: ap_fused_moe_grouped(x, tw, ids, w13, w2,
                                                                                           config=cfg))
