@@ -21,7 +21,8 @@ import time
 import torch
 
 from pagedweight.kernels import ap_fused_moe
-from pagedweight.kernels.cuda_grouped import GroupedConfig, ap_fused_moe_grouped, default_grouped_config
+from pagedweight.kernels.cuda_grouped import (GroupedConfig, ap_fused_moe_grouped, default_grouped_config,
+                                              prebuild_grouped)
 from pagedweight.kernels.testing import random_ap_projection
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -91,6 +92,10 @@ def main() -> None:
         p2 = random_ap_projection(E, H, I, [8] * E, table_kind="ubcq", group_size=GROUP, bits_min=2, seed=2, device=dev)
         for case in args.cases.split(","):
             w13, w2 = p13.recommit(case_bits(case, E, "w13")), p2.recommit(case_bits(case, E, "w2"))
+            tb = time.time()
+            for line in prebuild_grouped(configs, w13, w2, torch.bfloat16):
+                print(f"{mk} {case}: skipped {line}", flush=True)
+            print(f"{mk} {case}: kernels built in {time.time() - tb:.0f} s", flush=True)
             for M in [int(v) for v in args.ms.split(",")]:
                 x = torch.randn((M, H), device=dev, dtype=torch.bfloat16)
                 tw, ids = make_routing(M, E, topk, m["renormalize"], M, dev)

@@ -19,6 +19,7 @@ block past the hidden size reads zero planes for the rows beyond it and stores n
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,6 +199,34 @@ def compile_to_cubin(defines: list[str], compute_capability: str, name: str = "a
     return compile_cubin(source, name, compute_capability, defines)
 
 
+def gemm_kernel(cfg: GroupedConfig, mode: int, w: APMoEWeights, activation: str, compute: int, device: torch.device):
+    """The (cached) w13 or w2 kernel of `cfg` for `w`, and its dynamic shared memory."""
+    major, minor = torch.cuda.get_device_capability(device)
+    smem = cfg.shared_bytes(w.bits_max)
+    defines = gemm_defines(mode, cfg, w.bits_max, w.group_size, compute)
+    defines = tuple(defines + act_defines(activation) if mode == MODE_W13 else defines)
+    return cached_kernel(cfg.source, cfg.kernel_name, defines, device.index or 0, smem,
+                         gemm_arch(cfg, f"{major}{minor}")), smem
+
+
+def prebuild_grouped(configs: list[GroupedConfig], w13: APMoEWeights, w2: APMoEWeights, dtype: torch.dtype,
+                     activation: str = "silu") -> list[str]:
+    """Build the w13 and w2 kernels of every config on all cores at once (NVRTC releases the GIL), so that a sweep's
+    first calls do not compile one after another. Configs whose stages do not fit one block's shared memory are
+    skipped (their calls refuse); returns a line per skipped config."""
+    device = w13.page_table.device
+    compute = compute_code(dtype)
+    jobs, skipped = [], []
+    for cfg in dict.fromkeys(configs):
+        if cfg.shared_bytes(max(w13.bits_max, w2.bits_max)) > SHARED_LIMIT:
+            skipped.append(f"{cfg}: its stages do not fit one block's shared memory")
+            continue
+        jobs += [(cfg, MODE_W13, w13), (cfg, MODE_W2, w2)]
+    with ThreadPoolExecutor(max_workers=min(16, len(jobs) or 1)) as pool:
+        list(pool.map(lambda job: gemm_kernel(*job, activation, compute, device), jobs))
+    return skipped
+
+
 # Pairs per expert from which the default block is 256 weight rows x 128 pairs (two warpgroups along the rows, each
 # weight decoded once per block) instead of 128 rows x 64 pairs. H100, 4 bits, whole call (benchmark/grouped_sweep.py,
 # docs/results/kernel.md session 28): 256 x 128 ahead from 128 pairs per expert (Qwen3-30B-A3B M = 2048: 0.92 vs
@@ -237,8 +266,6 @@ def ap_fused_moe_grouped(
     if cfg.shared_bytes(bits_max) > SHARED_LIMIT:
         raise ValueError(f"moe: grouped kernel {cfg} needs {cfg.shared_bytes(bits_max)} bytes of shared memory at "
                          f"{bits_max} bits, over the {SHARED_LIMIT} of one block: use fewer stages or wn=1")
-    major, minor = torch.cuda.get_device_capability(dev)
-    cc = f"{major}{minor}"
     align = moe_align_block_size(topk_ids, cfg.block_m, w13.num_experts)
     ng2 = inter // w2.group_size
     zero = torch.empty(m * H + num_pairs * ng2, dtype=torch.float32, device=dev)  # zeroed by the prep kernel
@@ -252,10 +279,7 @@ def ap_fused_moe_grouped(
     act = torch.empty(num_pairs, inter, dtype=torch.int16, device=dev)
     common = [tw, align.sorted_ids, align.expert_ids, align.num_tokens_post_padded]
     for mode, w, xin, xsin, n_out in ((MODE_W13, w13, xp, xs13, inter), (MODE_W2, w2, act, xs2, H)):
-        smem = cfg.shared_bytes(w.bits_max)
-        defines = gemm_defines(mode, cfg, w.bits_max, w.group_size, compute)
-        defines = tuple(defines + act_defines(activation) if mode == MODE_W13 else defines)
-        kernel = cached_kernel(cfg.source, cfg.kernel_name, defines, dev.index or 0, smem, gemm_arch(cfg, cc))
+        kernel, smem = gemm_kernel(cfg, mode, w, activation, compute, dev)
         rows = cfg.rows // 2 if mode == MODE_W13 else cfg.rows  # outputs per block
         kernel(grid=(-(-n_out // rows), align.max_blocks, 1), block=(cfg.threads, 1, 1), shared_mem=smem,
                args=[xin, xsin, w.page_table, *common, act, xs2, acc, num_pairs, topk, n_out, w.N, w.K,

@@ -32,8 +32,10 @@ from pagedweight.kernels.cuda_grouped import (
     gemm_defines,
     grouped_moe_unsupported,
     grouped_unsupported,
+    prebuild_grouped,
     prep_defines,
 )
+from pagedweight.kernels.nvrtc import cached_kernel
 from pagedweight.kernels.reference import ap_fused_moe_reference
 from pagedweight.kernels.testing import random_ap_projection
 from tests.support.cuda_kernel_cases import (assert_cubins, ptxas_report, check_graph_replay, check_moe_dtypes,
@@ -324,6 +326,29 @@ def test_narrow_tail_multiplies_a_padded_block_at_its_real_width():
     steps = served["64x128x16"] // 2
     assert w256 == {"64x256x16": steps} and fmas // 2 <= w256_fmas <= fmas // 2 + 2  # + the epilogue's few
     assert w256_narrow == {f"64x{n}x16": steps for n in (256, 192, 128, 64, 32)} and w256_narrow_fmas == w256_fmas
+
+
+def test_prebuild_skips_configs_whose_stages_do_not_fit():
+    """A sweep's parallel prebuild leaves out (and names) a config that cannot run at the layer's parent bitwidth,
+    before anything needs a GPU: 128 x 256 at three stages holds up to 4-bit planes."""
+    w13 = random_ap_projection(4, 2 * 256, 256, [8] * 4, table_kind="ubcq", bits_min=4).weights
+    w2 = random_ap_projection(4, 256, 256, [8] * 4, table_kind="ubcq", bits_min=4).weights
+    skipped = prebuild_grouped([GroupedConfig(4, 3), GroupedConfig(4, 3)], w13, w2, torch.bfloat16)
+    assert len(skipped) == 1 and "wn=4, stages=3" in skipped[0] and "shared memory" in skipped[0]
+
+
+@needs_cuda
+def test_prebuild_builds_what_the_calls_use():
+    p13, p2 = _layer(8, 256, 256, [4] * 8, [3] * 8, seed=2)
+    configs = [GroupedConfig(4, 3, narrow_tail=True), GroupedConfig(2, 3, rows=256, red_v4=True)]
+    assert prebuild_grouped(configs, p13.weights, p2.weights, torch.bfloat16) == []
+    tw, ids = routing(90, 8, 2, "random", seed=4)
+    x = torch.randn(90, 256, device="cuda", dtype=torch.bfloat16)
+    ap_fused_moe_grouped(x, tw, ids, p13.weights, p2.weights, config=configs[0])  # builds the prep kernel
+    before = cached_kernel.cache_info().misses
+    for cfg in configs:
+        ap_fused_moe_grouped(x, tw, ids, p13.weights, p2.weights, config=cfg)
+    assert cached_kernel.cache_info().misses == before
 
 
 def test_l2_prefetch_hint_reaches_both_grouped_kernels():
