@@ -122,11 +122,21 @@ class GroupedConfig:
     def kernel_name(self) -> str:
         return "ap_grouped_ws_gemm" if self.ws else "ap_grouped_gemm"
 
+    @property
+    def q_fit(self) -> bool:
+        """Stages sized per bitwidth (`-DQFIT`): each holds the block's own planes, as many as fit the ring (128 x 256
+        blocks, whose 64 KB of activations per stage leave room for three stages only up to 4-bit planes)."""
+        return self.wn == 4
+
     def ring_bytes(self, bits_max: int) -> int:
         """Shared memory of the pipeline's stages: `stages` stages of bits_max planes (each rounded up to 1 KB); with
+        q_fit at most what one block can hold (narrower bitwidths then fit more stages), and at least two stages; with
         red_v4 at least w2's staged results."""
-        stage = self.block_m * 256 + bits_max * self.rows * 16 + self.block_m * 4
-        ring = self.stages * (-(-stage // 1024) * 1024)
+        stage = -(-(self.block_m * 256 + bits_max * self.rows * 16 + self.block_m * 4) // 1024) * 1024
+        ring = self.stages * stage
+        if self.q_fit:  # what is left of one block's shared memory beside the alignment and the slot arrays
+            budget = (SHARED_LIMIT - 1024 - 2 * 4 * self.block_m) // 1024 * 1024
+            ring = max(min(ring, budget), 2 * stage)
         if self.red_v4:  # w2's results are staged in the ring's memory: [pairs][rows + 4] float32
             ring = max(ring, -(-self.block_m * (self.rows + 4) * 4 // 1024) * 1024)
         return ring
@@ -175,7 +185,7 @@ def gemm_defines(mode: int, cfg: GroupedConfig, bits_max: int, group_size: int, 
     return [f"-DMODE={mode}", f"-DWN={cfg.wn}", f"-DPMAX={bits_max}", f"-DG={group_size}", f"-DCT={compute}",
             f"-DSTAGES={cfg.stages}", f"-DWGMMA={int(cfg.wgmma)}", f"-DL2PF={cfg.l2_prefetch}",
             f"-DWGR={2 if cfg.rows == 256 or cfg.wn == 4 else 1}", f"-DTPW={1 if cfg.wn == 4 else 2}",
-            f"-DRING={cfg.ring_bytes(bits_max)}",
+            f"-DRING={cfg.ring_bytes(bits_max)}", f"-DQFIT={int(cfg.q_fit)}",
             f"-DREDV={int(cfg.red_v4 and mode == MODE_W2)}", f"-DOFFW={int(cfg.offset_in_weights)}",
             f"-DLAG={cfg.refill_lag}", f"-DNARROW={int(cfg.narrow_tail)}"]
 

@@ -80,6 +80,12 @@
 // costs no tensor work; the decode stays per block
 #define NARROW 0
 #endif
+#ifndef QFIT
+// 1: each bitwidth's stages hold only its own planes, and as many stages as fit RING, up to STAGES (the refill lag
+// falls back to 1 where fewer than three fit): 128 x 256 blocks run three stages up to 4-bit blocks of an 8-bit
+// parent, two above
+#define QFIT 0
+#endif
 #ifndef WGR
 #define WGR 1  // warpgroups along the weight rows: 2 = each warpgroup its own rows x all BM pairs (wgmma)
 #endif
@@ -187,6 +193,12 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
     const int wr = warp & 3, wn = WGR == 2 ? 0 : warp >> 2, wgr = WGR == 2 ? warp >> 2 : 0;
     const int chunks = K / CHUNK, ngroups = K / G;
     const u32 smem_base = smem_u32(smem);
+    // this bitwidth's stage bytes, group sums' offset in a stage, stages and refill lag
+    constexpr int QSB = QFIT ? (ACT_STAGE + Q * PL_STAGE + BM * 4 + 1023) / 1024 * 1024 : STAGE_BYTES;
+    constexpr int QSUM = QFIT ? ACT_STAGE + Q * PL_STAGE : SUM_OFF;
+    constexpr int NST = RING / QSB < STAGES ? RING / QSB : STAGES;
+    constexpr int LQ = NST >= 3 ? LAG : 1;
+    static_assert(NST >= 2 && (QFIT || NST == STAGES), "the ring holds two stages of the widest planes");
 
     // --- this thread's copies: piece (tid & 15) of slot rows (tid >> 4) + r NTHREADS / 16 (r < A_PER): each warp
     // instruction reads two whole 256-byte rows (coalesced), and writes them without bank conflicts
@@ -220,7 +232,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 
     auto issue = [&](int c) {
         if (c < chunks) {
-            const u32 base = smem_base + (u32)((c % STAGES) * STAGE_BYTES);
+            const u32 base = smem_base + (u32)((c % NST) * QSB);
 #pragma unroll
             for (int r = 0; r < A_PER; ++r)
                 cp_async16(base + act_smem((tid >> 4) + r * (NTHREADS / 16), a_piece), x + a_off[r] + c * CHUNK,
@@ -232,7 +244,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
                     cp_async16(base + ACT_STAGE + p * PL_STAGE + p_row * 16,
                                (const unsigned char*)prow[2 + p] + p_off + (long long)c * 16, p_bytes);
             }
-            if (!OFFW && tid < BM) cp_async4(base + SUM_OFF + tid * 4, s_src + (c * CHUNK) / G, s_unit >= 0 ? 4u : 0u);
+            if (!OFFW && tid < BM) cp_async4(base + QSUM + tid * 4, s_src + (c * CHUNK) / G, s_unit >= 0 ? 4u : 0u);
         }
         cp_async_commit();
     };
@@ -281,13 +293,13 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 #endif
 
 #pragma unroll
-    for (int st = 0; st < STAGES - LAG; ++st) issue(st);
+    for (int st = 0; st < NST - LQ; ++st) issue(st);
     load_raw(0);
     u32 diag_sink = 0;  // DIAG 2: the fragments' consumer, so their loads and decode remain
 
     for (int c = 0; c < chunks; ++c) {
-#if WGMMA && LAG == 1 && !(DIAG & 16)
-        wg_wait<0>();  // the previous chunk's MMAs read the slot this iteration refills
+#if WGMMA && !(DIAG & 16)
+        if constexpr (LQ == 1) wg_wait<0>();  // the previous chunk's MMAs read the slot this iteration refills
 #endif
         if (c % (G / CHUNK) == 0) {  // a new group: this lane's row coefficients, then the next group's loads
 #pragma unroll
@@ -301,10 +313,10 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
                 }
             load_raw(c / (G / CHUNK) + 1);
         }
-        cp_async_wait<STAGES - 1 - LAG>();
+        cp_async_wait<NST - 1 - LQ>();
         __syncthreads();
-        issue(c + STAGES - LAG);  // into the slot of chunk c - LAG, which every thread and MMA has finished
-        const u32 sb = smem_base + (u32)((c % STAGES) * STAGE_BYTES);
+        issue(c + NST - LQ);  // into the slot of chunk c - LQ, which every thread and MMA has finished
+        const u32 sb = smem_base + (u32)((c % NST) * QSB);
 
         // codes of this lane's rows: [tile][row g / g + 8][word j]
         u32 hi[TPW][2][4], lo[TPW][2][4];
@@ -405,7 +417,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 #if WGMMA
             wg_wait<0>();
 #endif
-            const float* S = (const float*)(smem + (c % STAGES) * STAGE_BYTES + SUM_OFF);
+            const float* S = (const float*)(smem + (c % NST) * QSB + QSUM);
 #pragma unroll
             for (int nt = 0; nt < NPW / 8; ++nt) {
                 const float2 sv = *(const float2*)(S + NPW * wn + 8 * nt + 2 * t);

@@ -64,12 +64,13 @@ LAG_CONFIGS = (GroupedConfig(2, 3, rows=256, offset_in_weights=True, refill_lag=
 # 256 x 128 blocks whose wgmma N narrows to a padded block's real pairs (64 or 32): alone, and with the two above
 NARROW_CONFIGS = (GroupedConfig(2, 3, rows=256, narrow_tail=True),
                   GroupedConfig(2, 3, rows=256, narrow_tail=True, offset_in_weights=True, refill_lag=2))
-# 128 rows x 256 pairs (wgmma m64n256k16): two stages where an 8-bit parent's planes leave no room for three; plain,
-# narrowed to the real pairs (N 32 .. 256), and with w2's vector reductions and the offset in the weights
-W256_CONFIGS = (GroupedConfig(4, 2), GroupedConfig(4, 2, narrow_tail=True),
-                GroupedConfig(4, 2, narrow_tail=True, offset_in_weights=True, red_v4=True))
-# ... and three stages up to 4 bits, with the lagged refill
-W256_U4_CONFIGS = (GroupedConfig(4, 3), GroupedConfig(4, 3, narrow_tail=True, offset_in_weights=True, refill_lag=2))
+# 128 rows x 256 pairs (wgmma m64n256k16; stages sized per bitwidth: three up to 4-bit blocks, two above at an 8-bit
+# parent): plain, narrowed to the real pairs (N 32 .. 256), with the lagged refill (which falls back where two stages
+# fit), w2's vector reductions and the offset in the weights, and two stages throughout
+W256_CONFIGS = (GroupedConfig(4, 3), GroupedConfig(4, 3, narrow_tail=True),
+                GroupedConfig(4, 3, narrow_tail=True, offset_in_weights=True, refill_lag=2, red_v4=True),
+                GroupedConfig(4, 2, narrow_tail=True))
+W256_U4_CONFIGS = W256_CONFIGS[:3]
 
 
 # ---------------------------------------------------------------- CPU: build, fragment order, algebra, configs
@@ -103,8 +104,8 @@ def test_every_variant_compiles_for_sm90(mode):
     for cfg, bits_max, group, compute in zip(NARROW_CONFIGS, (8, 4), (128, 256), (0, 1)):  # narrow tails
         jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, bits_max, group, compute),
                                       gemm_arch(cfg, "90")))
-    for cfg, bits_max, group, compute in zip((*W256_CONFIGS, *W256_U4_CONFIGS), (8, 8, 3, 4, 4),
-                                             (128, 256, 128, 128, 256), (0, 1, 0, 0, 1)):  # 128 x 256 blocks
+    for cfg, bits_max, group, compute in zip((*W256_CONFIGS, *W256_U4_CONFIGS), (8, 8, 8, 3, 4, 4, 5),
+                                             (128, 256, 128, 128, 128, 256, 128), (0, 1, 0, 0, 0, 1, 0)):  # 128 x 256
         assert cfg.shared_bytes(bits_max) <= SHARED_LIMIT
         jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, bits_max, group, compute),
                                       gemm_arch(cfg, "90")))
@@ -303,6 +304,11 @@ def test_refill_lag_two_drains_the_mmas_only_after_the_mainloop():
     lag2 = waits(GroupedConfig(2, 3, rows=256, offset_in_weights=True, refill_lag=2))
     assert lag2[0] == 4 and lag1[0] == 2 * lag2[0], (lag1, lag2)
     assert lag2[1] == lag1[1] > 0
+    # 128 x 256 at an 8-bit parent: bitwidths 1-4 keep three stages and the lag (one drain each), 5-8 fit two stages
+    # and drain before each refill (two each)
+    w256 = GroupedConfig(4, 3, offset_in_weights=True, refill_lag=2)
+    sass = sass_of(compile_to_cubin(gemm_defines(0, w256, 8, 128, 0), "90a"))
+    assert sum("WARPGROUP.DEPBAR.LE gsb0, 0x0" in line for line in sass.splitlines()) == 4 * 1 + 4 * 2
 
 
 def test_narrow_tail_multiplies_a_padded_block_at_its_real_width():
@@ -330,11 +336,11 @@ def test_narrow_tail_multiplies_a_padded_block_at_its_real_width():
 
 def test_prebuild_skips_configs_whose_stages_do_not_fit():
     """A sweep's parallel prebuild leaves out (and names) a config that cannot run at the layer's parent bitwidth,
-    before anything needs a GPU: 128 x 256 at three stages holds up to 4-bit planes."""
+    before anything needs a GPU: 256 x 128 at four stages holds up to 4-bit planes."""
     w13 = random_ap_projection(4, 2 * 256, 256, [8] * 4, table_kind="ubcq", bits_min=4).weights
     w2 = random_ap_projection(4, 256, 256, [8] * 4, table_kind="ubcq", bits_min=4).weights
-    skipped = prebuild_grouped([GroupedConfig(4, 3), GroupedConfig(4, 3)], w13, w2, torch.bfloat16)
-    assert len(skipped) == 1 and "wn=4, stages=3" in skipped[0] and "shared memory" in skipped[0]
+    skipped = prebuild_grouped([GroupedConfig(2, 4, rows=256), GroupedConfig(2, 4, rows=256)], w13, w2, torch.bfloat16)
+    assert len(skipped) == 1 and "wn=2, stages=4" in skipped[0] and "shared memory" in skipped[0]
 
 
 @needs_cuda
@@ -404,13 +410,15 @@ def test_configs_and_refusals():
     r256 = GroupedConfig(wn=2, stages=3, rows=256)
     assert r256.threads == 256 and r256.shared_bytes(8) == 3 * 65 * 1024 + 1024  # 128 pairs + 8 planes x 256 rows
     assert GroupedConfig(wn=1, stages=4, rows=256).shared_bytes(8) <= SHARED_LIMIT < r256.shared_bytes(8) + 65 * 1024
-    # 128 rows x 256 pairs: two warpgroups (64 rows each), 64 KB of activations per stage; three stages fit up to 4
-    # bits, two at 8
+    # 128 rows x 256 pairs: two warpgroups (64 rows each), 64 KB of activations per stage; three whole stages fit up
+    # to 4-bit planes; at an 8-bit parent the ring is what one block holds (224 KB beside the alignment and the slot
+    # arrays), three stages for the blocks up to 4 bits and two above
     w256 = GroupedConfig(wn=4, stages=3)
     assert w256.threads == 256 and w256.block_m == 256 and w256.shared_bytes(4) == 3 * 73 * 1024 + 1024
-    assert w256.shared_bytes(4) <= SHARED_LIMIT < w256.shared_bytes(8)
-    assert GroupedConfig(wn=4, stages=2).shared_bytes(8) <= SHARED_LIMIT
-    assert {"-DWGR=2", "-DTPW=1"} <= set(gemm_defines(0, w256, 4, 128, 0))
+    assert w256.ring_bytes(8) == 224 * 1024 and w256.shared_bytes(8) <= SHARED_LIMIT
+    assert GroupedConfig(wn=4, stages=2).ring_bytes(8) == 2 * 81 * 1024
+    assert {"-DWGR=2", "-DTPW=1", "-DQFIT=1"} <= set(gemm_defines(0, w256, 4, 128, 0))
+    assert "-DQFIT=0" in gemm_defines(0, r256, 4, 128, 0)
     assert {"-DWGR=2", "-DTPW=2"} <= set(gemm_defines(0, r256, 4, 128, 0))
     assert {"-DWGR=1", "-DTPW=2"} <= set(gemm_defines(0, GroupedConfig(wn=2), 4, 128, 0))
     assert "-DNARROW=1" in gemm_defines(0, GroupedConfig(wn=4, narrow_tail=True), 4, 128, 0)
