@@ -71,6 +71,13 @@ W256_CONFIGS = (GroupedConfig(4, 3), GroupedConfig(4, 3, narrow_tail=True),
                 GroupedConfig(4, 3, narrow_tail=True, offset_in_weights=True, refill_lag=2, red_v4=True),
                 GroupedConfig(4, 2, narrow_tail=True))
 W256_U4_CONFIGS = W256_CONFIGS[:3]
+# the GPU correctness cases per family (`-k "moe_matches and w256"` runs one)
+CONFIG_GROUPS = {
+    "base": (GroupedConfig(1, 2), GroupedConfig(2, 3), GroupedConfig(2, 4), GroupedConfig(1, 3, wgmma=False),
+             GroupedConfig(2, 2, wgmma=False)),
+    "ws": WS_CONFIGS, "r256": R256_CONFIGS, "ow": OW_CONFIGS, "lag": LAG_CONFIGS, "narrow": NARROW_CONFIGS,
+    "w256": W256_CONFIGS,
+}
 
 
 # ---------------------------------------------------------------- CPU: build, fragment order, algebra, configs
@@ -464,7 +471,8 @@ def _layer(num_experts, hidden, inter, bits13, bits2, seed=0, group=128):
     [(8, 2, 64, "random"), (8, 2, 300, "random"), (8, 1, 200, "one_expert"), (16, 8, 97, "one_expert"),
      (60, 4, 130, "random"), (4, 1, 257, "all_one")],
 )
-def test_moe_matches_reference(num_experts, topk, m, pattern):
+@pytest.mark.parametrize("group", list(CONFIG_GROUPS))
+def test_moe_matches_reference(num_experts, topk, m, pattern, group):
     hidden, inter = 640, 384  # w13: five chunks of K; w2: three (a partial pipeline at 4 stages)
     bits13 = [1 + (e % 8) for e in range(num_experts)]  # every bitwidth 1..8, mixed in one launch
     bits2 = [1 + ((e + 3) % 8) for e in range(num_experts)]
@@ -474,12 +482,11 @@ def test_moe_matches_reference(num_experts, topk, m, pattern):
         ids.fill_(1)
     else:
         tw, ids = routing(m, num_experts, topk, pattern, seed=m)
-    check_moe_dtypes(p13, p2, tw, ids, m, hidden, "grouped")
+    if group == "base":
+        check_moe_dtypes(p13, p2, tw, ids, m, hidden, "grouped")
     x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
     ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
-    for cfg in (GroupedConfig(1, 2), GroupedConfig(2, 3), GroupedConfig(2, 4), GroupedConfig(1, 3, wgmma=False),
-                GroupedConfig(2, 2, wgmma=False), *WS_CONFIGS, *R256_CONFIGS, *OW_CONFIGS, *LAG_CONFIGS,
-                *NARROW_CONFIGS, *W256_CONFIGS):
+    for cfg in CONFIG_GROUPS[group]:
         out = ap_fused_moe_grouped(x, tw, ids, p13.weights, p2.weights, config=cfg)
         assert rel_err(out, ref) < 2e-2, cfg
 
