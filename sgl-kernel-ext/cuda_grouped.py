@@ -70,9 +70,9 @@ class GroupedConfig:
     # k16 step waits for all but the newest), so no drain of the MMAs precedes a refill; one chunk less of copies in
     # flight. 1 refills the slot of the chunk just read, after a drain
     refill_lag: int = 1
-    # 256 x 128 and 128 x 256 blocks: a block whose real pairs fit a narrower wgmma N (32, 64, 128 or 192; an expert's
-    # last, padded block) runs its wgmma at that N, so the alignment's padding costs no tensor work there (its decode
-    # stays)
+    # 256 x 128 and 128 x 256 blocks: a block whose real pairs fit a narrower wgmma N (32 or 64 of 128; 32 to 192 in
+    # steps of 32 of 256; an expert's last, padded block) runs its wgmma at that N, so the alignment's padding costs
+    # no tensor work there (its decode stays)
     narrow_tail: bool = False
 
     def __post_init__(self) -> None:

@@ -75,9 +75,9 @@
 #define LAG 1
 #endif
 #ifndef NARROW
-// 1 (256 x 128 and 128 x 256 blocks): a block whose real pairs fit a narrower wgmma N (32, 64, 128 or 192; an
-// expert's last, padded block) runs its wgmma at that N (the real pairs are the block's first slots), so the padding
-// costs no tensor work; the decode stays per block
+// 1 (256 x 128 and 128 x 256 blocks): a block whose real pairs fit a narrower wgmma N (32 or 64 of 128; 32 to 192
+// in steps of 32 of 256; an expert's last, padded block) runs its wgmma at that N (the real pairs are the block's
+// first slots), so the padding costs no tensor work; the decode stays per block
 #define NARROW 0
 #endif
 #ifndef QFIT
@@ -384,11 +384,15 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
                 wgmma_m64n128k16(acc[0], af[0], desc);
                 wgmma_m64n128k16(acc[1], af[1], desc);
 #elif NPW == 256 && NARROW
-                if (width > 192) wgmma_m64n256k16(acc[0], af[0], desc);
-                else if (width > 128) wgmma_m64n192k16(acc[0], af[0], desc);
-                else if (width > 64) wgmma_m64n128k16(acc[0], af[0], desc);
-                else if (width > 32) wgmma_m64n64k16(acc[0], af[0], desc);
-                else wgmma_m64n32k16(acc[0], af[0], desc);
+                switch (width >> 5) {
+                    case 1: wgmma_m64n32k16(acc[0], af[0], desc); break;
+                    case 2: wgmma_m64n64k16(acc[0], af[0], desc); break;
+                    case 3: wgmma_m64n96k16(acc[0], af[0], desc); break;
+                    case 4: wgmma_m64n128k16(acc[0], af[0], desc); break;
+                    case 5: wgmma_m64n160k16(acc[0], af[0], desc); break;
+                    case 6: wgmma_m64n192k16(acc[0], af[0], desc); break;
+                    default: wgmma_m64n256k16(acc[0], af[0], desc);
+                }
 #elif NPW == 256
                 wgmma_m64n256k16(acc[0], af[0], desc);
 #else
@@ -461,7 +465,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
 #if NARROW
     // the block's real pairs (its first slots): the wgmma N that covers them
     const int real = __syncthreads_count(tid < BM && slot_pair[tid] >= 0);
-    const int width = real > 128 ? (real > 192 ? 256 : 192) : real > 64 ? 128 : real > 32 ? 64 : 32;
+#if NPW == 256
+    const int width = real <= 192 ? (real + 31) / 32 * 32 : 256;
+#else
+    const int width = real > 64 ? 128 : real > 32 ? 64 : 32;
+#endif
 #else
     __syncthreads();
     const int width = BM;

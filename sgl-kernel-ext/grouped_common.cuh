@@ -65,47 +65,32 @@ __device__ __forceinline__ void wg_wait() {
 #define WG_MMA_BEGIN(n)                                                                                              \
     "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n" #n "k16.f32." MMA_TYPE "." MMA_TYPE " "
 #define WG_MMA_IN "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
-__device__ __forceinline__ void wgmma_m64n32k16(float (*d)[4], const u32* a, u64 desc) {
-    asm volatile(WG_MMA_BEGIN(32) "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-                 "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-                 : WG_ACC4(d, 0)
-                 : WG_MMA_IN);
-}
-__device__ __forceinline__ void wgmma_m64n64k16(float (*d)[4], const u32* a, u64 desc) {
-    asm volatile(WG_MMA_BEGIN(64) "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                 "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-                 : WG_ACC8(d, 0)
-                 : WG_MMA_IN);
-}
-// the D operands %0 .. %63 of a wgmma, and %64 .. %95 / %64 .. %127 after them (N = 192, 256)
-#define WG_D64 \
-    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-#define WG_D64_96 \
-    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
-    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
-#define WG_D96_128 \
-    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
-    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-__device__ __forceinline__ void wgmma_m64n128k16(float (*d)[4], const u32* a, u64 desc) {
-    asm volatile(WG_MMA_BEGIN(128) "{" WG_D64 "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-                 : WG_ACC8(d, 0), WG_ACC8(d, 8)
-                 : WG_MMA_IN);
-}
-__device__ __forceinline__ void wgmma_m64n192k16(float (*d)[4], const u32* a, u64 desc) {
-    asm volatile(WG_MMA_BEGIN(192) "{" WG_D64 ", " WG_D64_96 "}, {%96, %97, %98, %99}, %100, p, 1, 1, 0;\n}\n"
-                 : WG_ACC8(d, 0), WG_ACC8(d, 8), WG_ACC8(d, 16)
-                 : WG_MMA_IN);
-}
-__device__ __forceinline__ void wgmma_m64n256k16(float (*d)[4], const u32* a, u64 desc) {
-    asm volatile(WG_MMA_BEGIN(256) "{" WG_D64 ", " WG_D64_96 ", " WG_D96_128 "}, "
-                 "{%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
-                 : WG_ACC8(d, 0), WG_ACC8(d, 8), WG_ACC8(d, 16), WG_ACC8(d, 24)
-                 : WG_MMA_IN);
-}
+// the D operands of a wgmma, 16 at a time: WG_Rr is %16r .. %16r + 15
+#define WG_R0 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define WG_R1 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define WG_R2 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+#define WG_R3 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define WG_R4 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"
+#define WG_R5 "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+#define WG_R6 "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111"
+#define WG_R7 "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+// wgmma_m64n<N>k16(d, a, desc): d[64 x N] (N / 2 registers: d[0 .. N / 8 - 1][0 .. 3]) += A x B; dregs the D
+// operands, ain the A registers and the descriptor after them, the accumulators' "+f" operands last
+#define WG_MMA_FN(n, dregs, ain, ...)                                                                                \
+    __device__ __forceinline__ void wgmma_m64n##n##k16(float (*d)[4], const u32* a, u64 desc) {                     \
+        asm volatile(WG_MMA_BEGIN(n) "{" dregs "}, " ain ", p, 1, 1, 0;\n}\n" : __VA_ARGS__ : WG_MMA_IN);          \
+    }
+WG_MMA_FN(32, WG_R0, "{%16, %17, %18, %19}, %20", WG_ACC4(d, 0))
+WG_MMA_FN(64, WG_R0 ", " WG_R1, "{%32, %33, %34, %35}, %36", WG_ACC8(d, 0))
+WG_MMA_FN(96, WG_R0 ", " WG_R1 ", " WG_R2, "{%48, %49, %50, %51}, %52", WG_ACC8(d, 0), WG_ACC4(d, 8))
+WG_MMA_FN(128, WG_R0 ", " WG_R1 ", " WG_R2 ", " WG_R3, "{%64, %65, %66, %67}, %68", WG_ACC8(d, 0), WG_ACC8(d, 8))
+WG_MMA_FN(160, WG_R0 ", " WG_R1 ", " WG_R2 ", " WG_R3 ", " WG_R4, "{%80, %81, %82, %83}, %84", WG_ACC8(d, 0),
+          WG_ACC8(d, 8), WG_ACC4(d, 16))
+WG_MMA_FN(192, WG_R0 ", " WG_R1 ", " WG_R2 ", " WG_R3 ", " WG_R4 ", " WG_R5, "{%96, %97, %98, %99}, %100",
+          WG_ACC8(d, 0), WG_ACC8(d, 8), WG_ACC8(d, 16))
+WG_MMA_FN(256, WG_R0 ", " WG_R1 ", " WG_R2 ", " WG_R3 ", " WG_R4 ", " WG_R5 ", " WG_R6 ", " WG_R7,
+          "{%128, %129, %130, %131}, %132", WG_ACC8(d, 0), WG_ACC8(d, 8), WG_ACC8(d, 16), WG_ACC8(d, 24))
+#undef WG_MMA_FN
 #endif
 
 struct RowCoef {  // one row's group: packed A and C (bf16: the weight is fma(BIAS + c, A, C); fp16: C = -K0), the

@@ -324,7 +324,8 @@ def test_narrow_tail_multiplies_a_padded_block_at_its_real_width():
 
     def mix(cfg):
         sass = sass_of(compile_to_cubin(gemm_defines(0, cfg, 4, 128, 0), "90a"))
-        return collections.Counter(re.findall(r"HGMMA\.(64x(?:32|64|128|192|256)x16)\.F32", sass)), sass.count(" HFMA2")
+        widths = collections.Counter(re.findall(r"HGMMA\.(64x(?:32|64|96|128|160|192|256)x16)\.F32", sass))
+        return widths, sass.count(" HFMA2")
 
     (served, fmas), (narrow, narrow_fmas) = mix(GroupedConfig(2, 3, rows=256)), mix(
         GroupedConfig(2, 3, rows=256, narrow_tail=True))
@@ -333,12 +334,13 @@ def test_narrow_tail_multiplies_a_padded_block_at_its_real_width():
                       "64x32x16": served["64x128x16"]}
     assert narrow_fmas == fmas
     # 128 x 256: one m64n256k16 per warpgroup and k16 step (half the 256 x 128 kernel's MMA instructions, each twice
-    # as wide) on half the decode per warp (16 rows, not 32); narrowed, five widths per step
+    # as wide) on half the decode per warp (16 rows, not 32); narrowed, seven widths per step
     (w256, w256_fmas), (w256_narrow, w256_narrow_fmas) = mix(GroupedConfig(4, 3)), mix(
         GroupedConfig(4, 3, narrow_tail=True))
     steps = served["64x128x16"] // 2
     assert w256 == {"64x256x16": steps} and fmas // 2 <= w256_fmas <= fmas // 2 + 2  # + the epilogue's few
-    assert w256_narrow == {f"64x{n}x16": steps for n in (256, 192, 128, 64, 32)} and w256_narrow_fmas == w256_fmas
+    assert w256_narrow == {f"64x{n}x16": steps for n in (32, 64, 96, 128, 160, 192, 256)}
+    assert w256_narrow_fmas == w256_fmas
 
 
 def test_prebuild_skips_configs_whose_stages_do_not_fit():
