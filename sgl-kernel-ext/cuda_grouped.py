@@ -19,7 +19,7 @@ block past the hidden size reads zero planes for the rows beyond it and stores n
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +28,7 @@ import torch
 from pagedweight.kernels.align import moe_align_block_size
 from pagedweight.kernels.cuda_fold import _DTYPE_CODE, compute_code
 from pagedweight.kernels.activation import act_defines
-from pagedweight.kernels.nvrtc import cached_kernel, compile_cubin
+from pagedweight.kernels.nvrtc import build_in_parallel, cached_kernel, compile_cubin
 from pagedweight.kernels.weights import APMoEWeights
 
 CHUNK = 128
@@ -70,10 +70,6 @@ class GroupedConfig:
     # k16 step waits for all but the newest), so no drain of the MMAs precedes a refill; one chunk less of copies in
     # flight. 1 refills the slot of the chunk just read, after a drain
     refill_lag: int = 1
-    # 256 x 128 and 128 x 256 blocks: a block whose real pairs fit a narrower wgmma N (32 or 64 of 128; 32 to 192 in
-    # steps of 32 of 256; an expert's last, padded block) runs its wgmma at that N, so the alignment's padding costs
-    # no tensor work there (its decode stays)
-    narrow_tail: bool = False
 
     def __post_init__(self) -> None:
         if self.wn not in (1, 2, 4):
@@ -98,8 +94,6 @@ class GroupedConfig:
         if self.refill_lag == 2 and (self.ws or not self.wgmma or self.stages < 3):
             raise ValueError("refill_lag=2 applies to the single-role wgmma kernel with at least 3 stages: pass "
                              "ws=False, wgmma=True, stages>=3")
-        if self.narrow_tail and not (self.rows == 256 and self.wn == 2 or self.wn == 4):
-            raise ValueError("narrow_tail applies to 256 x 128 and 128 x 256 blocks: pass rows=256, wn=2 or wn=4")
         if self.rows == 256 and (self.ws or not self.wgmma):
             raise ValueError("256-row blocks (rows=256) run on the single-role wgmma kernel: pass ws=False, "
                              "wgmma=True")
@@ -187,7 +181,7 @@ def gemm_defines(mode: int, cfg: GroupedConfig, bits_max: int, group_size: int, 
             f"-DWGR={2 if cfg.rows == 256 or cfg.wn == 4 else 1}", f"-DTPW={1 if cfg.wn == 4 else 2}",
             f"-DRING={cfg.ring_bytes(bits_max)}", f"-DQFIT={int(cfg.q_fit)}",
             f"-DREDV={int(cfg.red_v4 and mode == MODE_W2)}", f"-DOFFW={int(cfg.offset_in_weights)}",
-            f"-DLAG={cfg.refill_lag}", f"-DNARROW={int(cfg.narrow_tail)}"]
+            f"-DLAG={cfg.refill_lag}"]
 
 
 def gemm_arch(cfg: GroupedConfig, compute_capability: str) -> str:
@@ -232,23 +226,24 @@ def prebuild_grouped(configs: list[GroupedConfig], w13: APMoEWeights, w2: APMoEW
             skipped.append(f"{cfg}: its stages do not fit one block's shared memory")
             continue
         jobs += [(cfg, MODE_W13, w13), (cfg, MODE_W2, w2)]
-    with ThreadPoolExecutor(max_workers=min(16, len(jobs) or 1)) as pool:
-        list(pool.map(lambda job: gemm_kernel(*job, activation, compute, device), jobs))
+    if jobs:
+        build_in_parallel([functools.partial(gemm_kernel, *job, activation, compute, device) for job in jobs],
+                          device.index or 0)
     return skipped
 
 
 # Pairs per expert from which the default block is 256 weight rows x 128 pairs (two warpgroups along the rows, each
-# weight decoded once per block) instead of 128 rows x 64 pairs. H100, 4 bits, whole call (benchmark/grouped_sweep.py,
-# docs/results/kernel.md session 28): 256 x 128 ahead from 128 pairs per expert (Qwen3-30B-A3B M = 2048: 0.92 vs
-# 0.98 ms, Mixtral M = 512: 1.60 vs 1.78, M = 2048: 4.26 vs 5.44 with 128 x 128), 128 x 64 ahead below it (Qwen3
-# M = 512, 32 per expert: 0.42 vs 0.60 ms; Mixtral M = 256). Three stages.
+# weight decoded once per block) instead of 128 rows x 64 pairs: 256 x 128 measured ahead from 128 pairs per expert,
+# 128 x 64 below (benchmark/grouped_sweep.py, docs/results/kernel.md session 28). Three stages.
 ROWS256_MIN_PAIRS_PER_EXPERT = 128
 
 
 def default_grouped_config(m: int, topk: int, num_experts: int) -> GroupedConfig:
+    """The block shape by pairs per expert; 256 x 128 adds w2's results by 16-byte vector reductions (red_v4: w2 of
+    Qwen3-30B-A3B at M = 2048 in two thirds of the time, session 31)."""
     per_expert = m * topk / max(1, num_experts)
     if per_expert >= ROWS256_MIN_PAIRS_PER_EXPERT:
-        return GroupedConfig(wn=2, stages=3, rows=256)
+        return GroupedConfig(wn=2, stages=3, rows=256, red_v4=True)
     return GroupedConfig(wn=1, stages=3)
 
 

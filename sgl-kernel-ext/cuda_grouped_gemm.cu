@@ -74,12 +74,6 @@
 // of copies in flight
 #define LAG 1
 #endif
-#ifndef NARROW
-// 1 (256 x 128 and 128 x 256 blocks): a block whose real pairs fit a narrower wgmma N (32 or 64 of 128; 32 to 192
-// in steps of 32 of 256; an expert's last, padded block) runs its wgmma at that N (the real pairs are the block's
-// first slots), so the padding costs no tensor work; the decode stays per block
-#define NARROW 0
-#endif
 #ifndef QFIT
 // 1: each bitwidth's stages hold only its own planes, and as many stages as fit RING, up to STAGES (the refill lag
 // falls back to 1 where fewer than three fit): 128 x 256 blocks run three stages up to 4-bit blocks of an 8-bit
@@ -112,9 +106,6 @@
 #endif
 #if WGR == 2 && !WGMMA
 #error "WGR = 2 (warpgroups along the rows) runs on wgmma"
-#endif
-#if NARROW && !(WGR == 2 && WN >= 2)
-#error "NARROW runs on 256 x 128 and 128 x 256 blocks (WGR = 2, WN = 2 or 4)"
 #endif
 #if LAG != 1 && !(LAG == 2 && WGMMA && STAGES >= 3)
 #error "LAG must be 1, or 2 with wgmma and at least 3 stages"
@@ -185,7 +176,7 @@ __device__ __forceinline__ u32 act_smem(int r, int p) {
 template <int Q>
 __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, const float* xs, int n_table, int K,
                                          int row_tile, int n_out, unsigned char* smem, const int* slot_unit,
-                                         float (*acc)[NPW / 8][4], int width) {
+                                         float (*acc)[NPW / 8][4]) {
     constexpr int NP_HI = Q < 4 ? Q : 4;
     constexpr int NP_LO = Q > 4 ? Q - 4 : 0;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -369,30 +360,9 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
                 const int p0 = 4 * j + e0;
                 const u64 desc = wg_desc(sb + (u32)((p0 >> 3) * BM * 128 + NPW * wn * 128 + (p0 & 7) * 16), 16, 1024);
                 wg_fence();
-#if NPW == 128 && NARROW
-                if (width > 64) {
-                    wgmma_m64n128k16(acc[0], af[0], desc);
-                    wgmma_m64n128k16(acc[1], af[1], desc);
-                } else if (width > 32) {
-                    wgmma_m64n64k16(acc[0], af[0], desc);
-                    wgmma_m64n64k16(acc[1], af[1], desc);
-                } else {
-                    wgmma_m64n32k16(acc[0], af[0], desc);
-                    wgmma_m64n32k16(acc[1], af[1], desc);
-                }
-#elif NPW == 128
+#if NPW == 128
                 wgmma_m64n128k16(acc[0], af[0], desc);
                 wgmma_m64n128k16(acc[1], af[1], desc);
-#elif NPW == 256 && NARROW
-                switch (width >> 5) {
-                    case 1: wgmma_m64n32k16(acc[0], af[0], desc); break;
-                    case 2: wgmma_m64n64k16(acc[0], af[0], desc); break;
-                    case 3: wgmma_m64n96k16(acc[0], af[0], desc); break;
-                    case 4: wgmma_m64n128k16(acc[0], af[0], desc); break;
-                    case 5: wgmma_m64n160k16(acc[0], af[0], desc); break;
-                    case 6: wgmma_m64n192k16(acc[0], af[0], desc); break;
-                    default: wgmma_m64n256k16(acc[0], af[0], desc);
-                }
 #elif NPW == 256
                 wgmma_m64n256k16(acc[0], af[0], desc);
 #else
@@ -440,7 +410,6 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 #endif
     cp_async_wait<0>();
     if (DIAG & 2 && diag_sink == 0x9E3779B9u && n_out < 0) acc[0][0][0] += 1.f;  // never true: keeps the sink
-    (void)width;
 }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
@@ -462,18 +431,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
     const int g = lane >> 2, t = lane & 3;
     const int wr = warp & 3, wn = WGR == 2 ? 0 : warp >> 2, wgr = WGR == 2 ? warp >> 2 : 0;
     fill_slots<BM>(sorted_ids, tb, num_pairs, topk, xunit_per_pair, slot_pair, slot_unit);
-#if NARROW
-    // the block's real pairs (its first slots): the wgmma N that covers them
-    const int real = __syncthreads_count(tid < BM && slot_pair[tid] >= 0);
-#if NPW == 256
-    const int width = real <= 192 ? (real + 31) / 32 * 32 : 256;
-#else
-    const int width = real > 64 ? 128 : real > 32 ? 64 : 32;
-#endif
-#else
     __syncthreads();
-    const int width = BM;
-#endif
 
     float acc[TPW][NPW / 8][4];
 #pragma unroll
@@ -484,7 +442,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
     const long long* prow = page_table + (long long)expert * pt_stride;
     const int q = (int)prow[0];
 #define CALL_MAIN(Q) \
-    mainloop<(Q <= PMAX ? Q : 1)>(prow, x, xs, n_table, K, row_tile, n_out, smem, slot_unit, acc, width)
+    mainloop<(Q <= PMAX ? Q : 1)>(prow, x, xs, n_table, K, row_tile, n_out, smem, slot_unit, acc)
     Q_SWITCH(q, CALL_MAIN)
 #undef CALL_MAIN
 

@@ -80,14 +80,8 @@ __device__ __forceinline__ void wg_wait() {
     __device__ __forceinline__ void wgmma_m64n##n##k16(float (*d)[4], const u32* a, u64 desc) {                     \
         asm volatile(WG_MMA_BEGIN(n) "{" dregs "}, " ain ", p, 1, 1, 0;\n}\n" : __VA_ARGS__ : WG_MMA_IN);          \
     }
-WG_MMA_FN(32, WG_R0, "{%16, %17, %18, %19}, %20", WG_ACC4(d, 0))
 WG_MMA_FN(64, WG_R0 ", " WG_R1, "{%32, %33, %34, %35}, %36", WG_ACC8(d, 0))
-WG_MMA_FN(96, WG_R0 ", " WG_R1 ", " WG_R2, "{%48, %49, %50, %51}, %52", WG_ACC8(d, 0), WG_ACC4(d, 8))
 WG_MMA_FN(128, WG_R0 ", " WG_R1 ", " WG_R2 ", " WG_R3, "{%64, %65, %66, %67}, %68", WG_ACC8(d, 0), WG_ACC8(d, 8))
-WG_MMA_FN(160, WG_R0 ", " WG_R1 ", " WG_R2 ", " WG_R3 ", " WG_R4, "{%80, %81, %82, %83}, %84", WG_ACC8(d, 0),
-          WG_ACC8(d, 8), WG_ACC4(d, 16))
-WG_MMA_FN(192, WG_R0 ", " WG_R1 ", " WG_R2 ", " WG_R3 ", " WG_R4 ", " WG_R5, "{%96, %97, %98, %99}, %100",
-          WG_ACC8(d, 0), WG_ACC8(d, 8), WG_ACC8(d, 16))
 WG_MMA_FN(256, WG_R0 ", " WG_R1 ", " WG_R2 ", " WG_R3 ", " WG_R4 ", " WG_R5 ", " WG_R6 ", " WG_R7,
           "{%128, %129, %130, %131}, %132", WG_ACC8(d, 0), WG_ACC8(d, 8), WG_ACC8(d, 16), WG_ACC8(d, 24))
 #undef WG_MMA_FN

@@ -5,7 +5,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -42,6 +44,26 @@ def cached_kernel(source: Path, name: str, defines: tuple[str, ...], device_inde
     if shared_bytes > 48 * 1024:
         kernel.set_shared_memory_config(shared_bytes)
     return kernel
+
+
+def build_in_parallel(builds: list[Callable[[], object]], device_index: int, workers: int = 16) -> list:
+    """Run kernel builds (NVRTC, then the module load) on a thread pool: NVRTC releases the GIL. A new thread has no
+    current CUDA context, and loading a module needs one, so each worker first makes the device's primary context
+    (the one torch uses) current."""
+    from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
+
+    libcuda = _get_gpu_runtime_library()
+    with torch.cuda.device(device_index):
+        torch.cuda.synchronize()  # the primary context exists and is current here
+        ctx = ctypes.c_void_p()
+        _check_cuda(libcuda.cuCtxGetCurrent(ctypes.byref(ctx)))
+
+    def run(build):
+        _check_cuda(libcuda.cuCtxSetCurrent(ctx))
+        return build()
+
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(builds)))) as pool:
+        return list(pool.map(run, builds))
 
 
 # cuLaunchKernelEx's configuration (cuda.h, CUDA 12): the grid, the block, the stream and a list of attributes

@@ -375,7 +375,7 @@ def test_grouped_sweep_reads_config_tags_and_counts_the_blocks_padding():
     fields = (cfg.wn, cfg.stages, cfg.rows, cfg.offset_in_weights, cfg.refill_lag, cfg.red_v4)
     assert fields == (2, 3, 256, True, 2, False)
     assert sweep.parse_config("1.3.rv").red_v4 and sweep.parse_config("1.3").refill_lag == 1
-    assert sweep.parse_config("2.3.r256.nt").narrow_tail and not cfg.narrow_tail
+    assert sweep.parse_config("4.3.rv") == sweep.GroupedConfig(4, 3, red_v4=True)
     ids = torch.tensor([[0, 1], [0, -1], [2, 1], [0, 1]])  # expert 0: 3 pairs, 1: 3, 2: 1
     assert sweep.block_fill(ids, 4, 2) == 7 / 10  # blocks of 2: 2 + 2 + 1
     assert sweep.block_fill(ids, 4, 4) == 7 / 12
