@@ -270,7 +270,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
     };
     RowCoef rc[TPW][2];
 #if OFFW
-    u32 z2[TPW][2];  // each row's group offset z = o - s (2^q - 1), splat in the compute type
+    u32 z2[TPW][2];  // each row's centred group offset (centred_offset), splat in the compute type
 #endif
 
     // ldmatrix addresses: planes (lane >> 4: +1 plane, (lane >> 3) & 1: row half), activations (matrix
@@ -299,7 +299,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
                 for (int h = 0; h < 2; ++h) {
                     rc[a][h] = make_row_coef<Q>(raw[a][h][0], raw[a][h][1]);
 #if OFFW
-                    z2[a][h] = splat(group_offset<Q>(h2f(raw[a][h][0]), h2f(raw[a][h][1])));
+                    z2[a][h] = splat(centred_offset<Q>(h2f(raw[a][h][0]), h2f(raw[a][h][1])));
 #endif
                 }
             load_raw(c / (G / CHUNK) + 1);

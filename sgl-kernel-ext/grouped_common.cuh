@@ -105,11 +105,17 @@ __device__ __forceinline__ float group_offset(float s, float o) {
 // bf16: one fma (BIAS + c) A + C with C = round(-(BIAS + K0) A): the product and the sum are exact before the one
 // rounding; C's own rounding error eps = C + (BIAS + K0) A is exact in fp32 and moves into the offset.
 // fp16 (where (1024 + K0) A may overflow): c exactly, then c - K0 exactly, then one multiply by A.
+// A, the weight step of one code unit: 2 s per code, in nibble (q <= 4: c << (4 - q)) or byte (q > 4) units
+template <int Q>
+__device__ __forceinline__ float code_step(float s) {
+    return 2.f * s * __int_as_float((127 + (Q <= 4 ? Q - 4 : Q - 8)) << 23);
+}
+
 template <int Q>
 __device__ __forceinline__ RowCoef make_row_coef(u16 s16, u16 o16) {
     const float s = h2f(s16), o = h2f(o16);
     const float z = group_offset<Q>(s, o);
-    const float a = 2.f * s * __int_as_float((127 + (Q <= 4 ? Q - 4 : Q - 8)) << 23);
+    const float a = code_step<Q>(s);
     // the middle of the code range: (2^q - 1) / 2 in nibble (q <= 4) or byte (q > 4) units
     const float k0 = (float)((1 << Q) - 1) * __int_as_float((127 + (Q <= 4 ? 3 - Q : 7 - Q)) << 23);
     RowCoef c;
@@ -131,8 +137,10 @@ __device__ __forceinline__ RowCoef make_row_coef(u16 s16, u16 o16) {
 struct CodeConst {
 #if CT == 0
     static constexpr u32 NEG_BIAS = 0xC300C300u, ONE = 0x3F803F80u, SIXTEEN = 0x41804180u, NEG_16BIAS = 0xC500C500u;
+    static constexpr u32 NEG_BIAS_8 = 0xC308C308u, NEG_BIAS_128 = 0xC380C380u;  // -(BIAS + 8), -(BIAS + 128)
 #else
     static constexpr u32 NEG_BIAS = 0xE400E400u, ONE = 0x3C003C00u, SIXTEEN = 0x4C004C00u, NEG_16BIAS = 0xF400F400u;
+    static constexpr u32 NEG_BIAS_8 = 0xE408E408u, NEG_BIAS_128 = 0xE480E480u;
 #endif
     static constexpr u32 NEG_ZERO = 0x80008000u;
 };
@@ -160,12 +168,30 @@ __device__ __forceinline__ u32 weight_pair(u32 hi, u32 lo, int e, const RowCoef&
 #endif
 }
 
-// offset_in_weights (OFFW): the whole weight A c + z per pair, the code c exact first, then one fma with z rounded to
-// the compute type: the dequantize-then-GEMM path's rounding (2^-9 of the weight, plus 2^-9 of z), and no offset pass
-// over the accumulators, so nothing drains the MMAs at a group's end. a2: A (RowCoef::a2), z2: z, both splat.
+// offset_in_weights (OFFW): the whole weight per pair, centred: (c - KC) A + (z + KC A), KC = 8 nibble or 128 byte
+// units (c - KC exact in the compute type), the offset term rounded once to the compute type. Centring matters: the
+// offset's rounding is the same for every weight of a row's group, so it adds up coherently over the group's inputs
+// (2^-9 of it times the group's activation sum), and z + KC A is about the group's middle weight where z alone is
+// -(2^q - 1) s. No offset pass over the accumulators, so nothing drains the MMAs at a group's end.
 template <int Q>
-__device__ __forceinline__ u32 weight_pair_ow(u32 hi, u32 lo, int e, u32 a2, u32 z2) {
-    return pfma(exact_code_pair<Q>(hi, lo, e), a2, z2);
+__device__ __forceinline__ float centred_offset(float s, float o) {
+    return group_offset<Q>(s, o) + (Q <= 4 ? 8.f : 128.f) * code_step<Q>(s);
+}
+
+// the codes of the nibbles (e, e + 4) less KC, exactly in the compute type
+template <int Q>
+__device__ __forceinline__ u32 centred_code_pair(u32 hi, u32 lo, int e) {
+    using K = CodeConst;
+    if (Q <= 4) return pfma(code_pair(hi, e), K::ONE, K::NEG_BIAS_8);
+    const u32 h16 = pfma(code_pair(hi, e), K::SIXTEEN, K::NEG_16BIAS);  // 16 hi, exact
+    const u32 lo1 = pfma(code_pair(lo, e), K::ONE, K::NEG_BIAS_128);    // lo - 128, exact
+    return pfma(h16, K::ONE, lo1);
+}
+
+// a2: A (RowCoef::a2), zc2: centred_offset, both splat in the compute type
+template <int Q>
+__device__ __forceinline__ u32 weight_pair_ow(u32 hi, u32 lo, int e, u32 a2, u32 zc2) {
+    return pfma(centred_code_pair<Q>(hi, lo, e), a2, zc2);
 }
 
 // w13's epilogue, second half: the block's [ROWS pairs][OUTS] tile of silu(gate) * up (the compute type, in shared
