@@ -23,7 +23,8 @@
 #                                           # "sweep" (grouped_sweep.py: SW_MODELS, SW_MS, SW_CONFIGS) and "diag"
 #                                           # (grouped_diag.py: DIAG_MODELS, DIAG_M, DIAG_CONFIG, DIAGS) run first,
 #                                           # then "ncu" (grouped_ncu.py at 256 x 128: NCU_MODEL, NCU_M, NCU_VARIANTS
-#                                           # of "red_v4,offset_in_weights,refill_lag", default "0,0,1 0,1,2")
+#                                           # of "red_v4,offset_in_weights,refill_lag", default "1,0,1 1,1,2": the
+#                                           # served config, and it with the offset in the weights and refill lag 2)
 #   bash benchmark/gpu_session.sh lutk      # CUDA LUT kernel: GPU tests + linear and MoE decode timings (no devicekit)
 #   bash benchmark/gpu_session.sh linear    # dense AP linear tests + benchmark/linear_bench.py (no devicekit needed)
 #   bash benchmark/gpu_session.sh serve     # server smoke test + bench_one_batch stock bf16 vs AP 4-bit experts vs
@@ -118,11 +119,11 @@ if [ "$stage" = grouped ]; then
   fi
   if [[ "$parts" == *" diag "* ]]; then  # where the kernel's time goes: a stage left out per DIAG value
     timeout "${DIAG_TIMEOUT:-150}" python3 benchmark/grouped_diag.py --out "$OUT/grouped_diag.json" \
-      --models "${DIAG_MODELS:-qwen3moe}" --m "${DIAG_M:-2048}" --config "${DIAG_CONFIG:-2.3.r256}" \
+      --models "${DIAG_MODELS:-qwen3moe}" --m "${DIAG_M:-2048}" --config "${DIAG_CONFIG:-2.3.r256.rv}" \
       --diags "${DIAGS:-0,1,2,8,24,4}" 2>&1 | grep "^{" | cut -c1-200
   fi
   if [[ "$parts" == *" ncu "* ]]; then  # ncu of the 256 x 128 kernel per "red_v4,offset_in_weights,refill_lag" variant
-    for v in ${NCU_VARIANTS:-0,0,1 0,1,2}; do
+    for v in ${NCU_VARIANTS:-1,0,1 1,1,2}; do
       IFS=, read -r rv ow lag <<<"$v"
       timeout "${NCU_TIMEOUT:-60}" ncu --clock-control none --kernel-name ap_grouped_gemm --launch-skip 2 --launch-count 2 \
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
