@@ -99,18 +99,18 @@ __device__ __forceinline__ float group_offset(float s, float o) {
     return o - s * (float)((1 << Q) - 1);
 }
 
-// The weights enter centred, W' = A (c - K0) (+ a known constant), K0 the middle of the code range, and the
-// group's offset z + K0 A (less that constant) is applied in fp32: no large term of W' cancels
-// against a large z S, so the rounding of A to the compute type costs 2^-9 of the result, not of the offset.
-// bf16: one fma (BIAS + c) A + C with C = round(-(BIAS + K0) A): the product and the sum are exact before the one
-// rounding; C's own rounding error eps = C + (BIAS + K0) A is exact in fp32 and moves into the offset.
-// fp16 (where (1024 + K0) A may overflow): c exactly, then c - K0 exactly, then one multiply by A.
 // A, the weight step of one code unit: 2 s per code, in nibble (q <= 4: c << (4 - q)) or byte (q > 4) units
 template <int Q>
 __device__ __forceinline__ float code_step(float s) {
     return 2.f * s * __int_as_float((127 + (Q <= 4 ? Q - 4 : Q - 8)) << 23);
 }
 
+// The weights enter centred, W' = A (c - K0) (+ a known constant), K0 the middle of the code range, and the
+// group's offset z + K0 A (less that constant) is applied in fp32: no large term of W' cancels
+// against a large z S, so the rounding of A to the compute type costs 2^-9 of the result, not of the offset.
+// bf16: one fma (BIAS + c) A + C with C = round(-(BIAS + K0) A): the product and the sum are exact before the one
+// rounding; C's own rounding error eps = C + (BIAS + K0) A is exact in fp32 and moves into the offset.
+// fp16 (where (1024 + K0) A may overflow): c exactly, then c - K0 exactly, then one multiply by A.
 template <int Q>
 __device__ __forceinline__ RowCoef make_row_coef(u16 s16, u16 o16) {
     const float s = h2f(s16), o = h2f(o16);
@@ -146,13 +146,13 @@ struct CodeConst {
 };
 
 // the codes of the nibbles (e, e + 4) exactly in the compute type: q <= 4 from one code word, q > 4 16 hi + lo
-// (<= 255) from the hi and lo words
-template <int Q>
+// (<= 255) from the hi and lo words; CENTRED: less KC = 8 nibble or 128 byte units (still exact)
+template <int Q, bool CENTRED = false>
 __device__ __forceinline__ u32 exact_code_pair(u32 hi, u32 lo, int e) {
     using K = CodeConst;
-    if (Q <= 4) return pfma(code_pair(hi, e), K::ONE, K::NEG_BIAS);
-    const u32 h16 = pfma(code_pair(hi, e), K::SIXTEEN, K::NEG_16BIAS);  // 16 hi, exact
-    const u32 lo1 = pfma(code_pair(lo, e), K::ONE, K::NEG_BIAS);        // lo, exact
+    if (Q <= 4) return pfma(code_pair(hi, e), K::ONE, CENTRED ? K::NEG_BIAS_8 : K::NEG_BIAS);
+    const u32 h16 = pfma(code_pair(hi, e), K::SIXTEEN, K::NEG_16BIAS);                    // 16 hi, exact
+    const u32 lo1 = pfma(code_pair(lo, e), K::ONE, CENTRED ? K::NEG_BIAS_128 : K::NEG_BIAS);  // lo (- 128), exact
     return pfma(h16, K::ONE, lo1);
 }
 
@@ -178,20 +178,10 @@ __device__ __forceinline__ float centred_offset(float s, float o) {
     return group_offset<Q>(s, o) + (Q <= 4 ? 8.f : 128.f) * code_step<Q>(s);
 }
 
-// the codes of the nibbles (e, e + 4) less KC, exactly in the compute type
-template <int Q>
-__device__ __forceinline__ u32 centred_code_pair(u32 hi, u32 lo, int e) {
-    using K = CodeConst;
-    if (Q <= 4) return pfma(code_pair(hi, e), K::ONE, K::NEG_BIAS_8);
-    const u32 h16 = pfma(code_pair(hi, e), K::SIXTEEN, K::NEG_16BIAS);  // 16 hi, exact
-    const u32 lo1 = pfma(code_pair(lo, e), K::ONE, K::NEG_BIAS_128);    // lo - 128, exact
-    return pfma(h16, K::ONE, lo1);
-}
-
 // a2: A (RowCoef::a2), zc2: centred_offset, both splat in the compute type
 template <int Q>
 __device__ __forceinline__ u32 weight_pair_ow(u32 hi, u32 lo, int e, u32 a2, u32 zc2) {
-    return pfma(centred_code_pair<Q>(hi, lo, e), a2, zc2);
+    return pfma(exact_code_pair<Q, true>(hi, lo, e), a2, zc2);
 }
 
 // w13's epilogue, second half: the block's [ROWS pairs][OUTS] tile of silu(gate) * up (the compute type, in shared
