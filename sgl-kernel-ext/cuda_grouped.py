@@ -118,9 +118,11 @@ class GroupedConfig:
 
     @property
     def q_fit(self) -> bool:
-        """Stages sized per bitwidth (`-DQFIT`): each holds the block's own planes, as many as fit the ring (128 x 256
-        blocks, whose 64 KB of activations per stage leave room for three stages only up to 4-bit planes)."""
-        return self.wn == 4
+        """Stages sized per bitwidth (`-DQFIT`): each holds the block's own planes, as many as fit the ring, up to
+        `stages`. 128 x 256 blocks (64 KB of activations per stage) hold three stages up to 4-bit planes; 256 x 128
+        blocks at four stages hold four up to 4-bit planes and three above (four stages of an 8-bit parent's planes
+        would not fit)."""
+        return self.wn == 4 or (self.rows == 256 and self.wn == 2 and self.stages == 4)
 
     def ring_bytes(self, bits_max: int) -> int:
         """Shared memory of the pipeline's stages: `stages` stages of bits_max planes (each rounded up to 1 KB); with

@@ -57,9 +57,11 @@ R256_CONFIGS = (*R256_MAIN, GroupedConfig(1, 2, rows=256), GroupedConfig(2, 2, r
 OW_CONFIGS = (GroupedConfig(2, 3, rows=256, offset_in_weights=True), GroupedConfig(1, 3, offset_in_weights=True),
               GroupedConfig(1, 3, wgmma=False, offset_in_weights=True))
 # refills of the slot read two chunks ago (no drain before a refill): with and without the offset in the weights, and
-# at four stages (two chunks of copies in flight); K of five and three chunks covers refills past the last chunk
+# at four stages (two chunks of copies in flight; 256 x 128 sized per bitwidth: four stages up to 4-bit blocks, three
+# above); K of five and three chunks covers refills past the last chunk
 LAG_CONFIGS = (GroupedConfig(2, 3, rows=256, offset_in_weights=True, refill_lag=2),
-               GroupedConfig(2, 3, rows=256, refill_lag=2), GroupedConfig(1, 4, offset_in_weights=True, refill_lag=2))
+               GroupedConfig(2, 3, rows=256, refill_lag=2), GroupedConfig(1, 4, offset_in_weights=True, refill_lag=2),
+               GroupedConfig(2, 4, rows=256, offset_in_weights=True, refill_lag=2, red_v4=True))
 # 128 rows x 256 pairs (wgmma m64n256k16; stages sized per bitwidth: three up to 4-bit blocks, two above at an 8-bit
 # parent): plain, with w2's vector reductions, with the lagged refill (which falls back where two stages fit) and the
 # offset in the weights, and two stages throughout
@@ -309,6 +311,11 @@ def test_refill_lag_two_drains_the_mmas_only_after_the_mainloop():
     w256 = GroupedConfig(4, 3, offset_in_weights=True, refill_lag=2)
     sass = sass_of(compile_to_cubin(gemm_defines(0, w256, 8, 128, 0), "90a"))
     assert sum("WARPGROUP.DEPBAR.LE gsb0, 0x0" in line for line in sass.splitlines()) == 4 * 1 + 4 * 2
+    # 256 x 128 at four stages, 8-bit parent: bitwidths 1-4 run four stages, 5-8 three: the lag holds throughout (one
+    # drain each)
+    r256s4 = GroupedConfig(2, 4, rows=256, offset_in_weights=True, refill_lag=2)
+    sass = sass_of(compile_to_cubin(gemm_defines(0, r256s4, 8, 128, 0), "90a"))
+    assert sum("WARPGROUP.DEPBAR.LE gsb0, 0x0" in line for line in sass.splitlines()) == 8
 
 
 def test_w256_halves_the_decode_per_mma():
@@ -327,10 +334,11 @@ def test_w256_halves_the_decode_per_mma():
 
 def test_prebuild_skips_configs_whose_stages_do_not_fit():
     """A sweep's parallel prebuild leaves out (and names) a config that cannot run at the layer's parent bitwidth,
-    before anything needs a GPU: 256 x 128 at four stages holds up to 4-bit planes."""
+    before anything needs a GPU: the warp-specialized kernel at four stages holds up to 4-bit planes."""
     w13 = random_ap_projection(4, 2 * 256, 256, [8] * 4, table_kind="ubcq", bits_min=4).weights
     w2 = random_ap_projection(4, 256, 256, [8] * 4, table_kind="ubcq", bits_min=4).weights
-    skipped = prebuild_grouped([GroupedConfig(2, 4, rows=256), GroupedConfig(2, 4, rows=256)], w13, w2, torch.bfloat16)
+    too_big = GroupedConfig(2, 4, ws=True)
+    skipped = prebuild_grouped([too_big, too_big], w13, w2, torch.bfloat16)
     assert len(skipped) == 1 and "wn=2, stages=4" in skipped[0] and "shared memory" in skipped[0]
 
 
@@ -406,6 +414,12 @@ def test_configs_and_refusals():
     assert GroupedConfig(wn=4, stages=2).ring_bytes(8) == 2 * 81 * 1024
     assert {"-DWGR=2", "-DTPW=1", "-DQFIT=1"} <= set(gemm_defines(0, w256, 4, 128, 0))
     assert "-DQFIT=0" in gemm_defines(0, r256, 4, 128, 0)
+    # 256 x 128 at four stages: sized per bitwidth, the ring is what one block holds (225 KB): four stages up to
+    # 4-bit planes (49 KB each), three above (65 KB) at an 8-bit parent
+    r256s4 = GroupedConfig(wn=2, stages=4, rows=256)
+    assert r256s4.q_fit and r256s4.ring_bytes(8) == 225 * 1024 and r256s4.shared_bytes(8) <= SHARED_LIMIT
+    assert r256s4.ring_bytes(8) // (49 * 1024) == 4 and r256s4.ring_bytes(8) // (65 * 1024) == 3
+    assert "-DQFIT=1" in gemm_defines(0, r256s4, 8, 128, 0) and not GroupedConfig(1, 4, rows=256).q_fit
     assert {"-DWGR=2", "-DTPW=2"} <= set(gemm_defines(0, r256, 4, 128, 0))
     assert {"-DWGR=1", "-DTPW=2"} <= set(gemm_defines(0, GroupedConfig(wn=2), 4, 128, 0))
     for bad in (dict(rows=256), dict(ws=True), dict(wgmma=False)):
