@@ -70,6 +70,10 @@ class GroupedConfig:
     # k16 step waits for all but the newest), so no drain of the MMAs precedes a refill; one chunk less of copies in
     # flight. 1 refills the slot of the chunk just read, after a drain
     refill_lag: int = 1
+    # single-role kernel, stages of one size (no q_fit): one block per SM walks the tiles and issues the first chunks
+    # of its next tile before the current tile's epilogue (into the stages the epilogue's shared memory leaves), so
+    # a tile's pipeline no longer fills from empty after the epilogue
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         if self.wn not in (1, 2, 4):
@@ -94,6 +98,9 @@ class GroupedConfig:
         if self.refill_lag == 2 and (self.ws or not self.wgmma or self.stages < 3):
             raise ValueError("refill_lag=2 applies to the single-role wgmma kernel with at least 3 stages: pass "
                              "ws=False, wgmma=True, stages>=3")
+        if self.persistent and (self.ws or self.q_fit):
+            raise ValueError("persistent applies to the single-role grouped kernel with stages of one size: pass "
+                             "ws=False, and not wn=4 nor rows=256 at four stages")
         if self.rows == 256 and (self.ws or not self.wgmma):
             raise ValueError("256-row blocks (rows=256) run on the single-role wgmma kernel: pass ws=False, "
                              "wgmma=True")
@@ -183,7 +190,7 @@ def gemm_defines(mode: int, cfg: GroupedConfig, bits_max: int, group_size: int, 
             f"-DWGR={2 if cfg.rows == 256 or cfg.wn == 4 else 1}", f"-DTPW={1 if cfg.wn == 4 else 2}",
             f"-DRING={cfg.ring_bytes(bits_max)}", f"-DQFIT={int(cfg.q_fit)}",
             f"-DREDV={int(cfg.red_v4 and mode == MODE_W2)}", f"-DOFFW={int(cfg.offset_in_weights)}",
-            f"-DLAG={cfg.refill_lag}"]
+            f"-DLAG={cfg.refill_lag}", f"-DPERSIST={int(cfg.persistent)}"]
 
 
 def gemm_arch(cfg: GroupedConfig, compute_capability: str) -> str:
@@ -288,7 +295,10 @@ def ap_fused_moe_grouped(
     for mode, w, xin, xsin, n_out in ((MODE_W13, w13, xp, xs13, inter), (MODE_W2, w2, act, xs2, H)):
         kernel, smem = gemm_kernel(cfg, mode, w, activation, compute, dev)
         rows = cfg.rows // 2 if mode == MODE_W13 else cfg.rows  # outputs per block
-        kernel(grid=(-(-n_out // rows), align.max_blocks, 1), block=(cfg.threads, 1, 1), shared_mem=smem,
+        grid = (-(-n_out // rows), align.max_blocks, 1)
+        if cfg.persistent:  # one block per SM, at most one per tile
+            grid = (min(grid[0] * grid[1], torch.cuda.get_device_properties(dev).multi_processor_count), 1, 1)
+        kernel(grid=grid, block=(cfg.threads, 1, 1), shared_mem=smem,
                args=[xin, xsin, w.page_table, *common, act, xs2, acc, num_pairs, topk, n_out, w.N, w.K,
                      int(apply_router_weight_on_input), w.num_experts, w.page_table.stride(0), w2.group_size,
                      int(apply_router_weight_on_input)])

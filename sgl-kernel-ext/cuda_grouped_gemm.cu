@@ -80,6 +80,12 @@
 // parent, two above
 #define QFIT 0
 #endif
+#ifndef PERSIST
+// 1: a block per SM walks the (token block, row tile) tiles in the launch order, and issues the first chunks of its
+// next tile before the epilogue of the current one, into the stages the epilogue leaves alone, so the copies' latency
+// hides behind the epilogue rather than opening every tile (stages of the widest planes only: no QFIT)
+#define PERSIST 0
+#endif
 #ifndef WGR
 #define WGR 1  // warpgroups along the weight rows: 2 = each warpgroup its own rows x all BM pairs (wgmma)
 #endif
@@ -110,6 +116,9 @@
 #if LAG != 1 && !(LAG == 2 && WGMMA && STAGES >= 3)
 #error "LAG must be 1, or 2 with wgmma and at least 3 stages"
 #endif
+#if PERSIST && QFIT
+#error "PERSIST needs stages of one size for every bitwidth (QFIT = 0)"
+#endif
 
 // A tile T (16 rows, 0 .. BROWS / 16 - 1) of warp row wr (0..3) in row warpgroup wgr, a = 0 .. TPW - 1: mma.sync
 // gives a warp two adjacent tiles; wgmma a warpgroup 64 rows per instruction, warp wr rows 16 wr .. 16 wr + 15 of each
@@ -129,6 +138,20 @@
 #ifndef RING
 #define RING (STAGES * STAGE_BYTES)  // the stages' shared memory (the host gives more where red_v4 needs it)
 #endif
+// shared memory the epilogue stages its results in, from the ring's start: w13's [BM][BROWS / 2] outputs in the
+// compute type, red_v4's [BM][BROWS + 4] float32 (rows padded: the fragment stores hit 32 banks)
+#if MODE == 0
+#define EPI_BYTES (BM * (BROWS / 2) * 2)
+#elif REDV
+#define EPI_BYTES (BM * (BROWS + 4) * 4)
+#else
+#define EPI_BYTES 0
+#endif
+// PERSIST: a tile's chunk c goes in stage (c + S0) % STAGES, S0 the first stage past the epilogue's shared memory,
+// and the next tile's first PF chunks are issued before the epilogue (none where the epilogue needs every stage)
+#define EPI_STAGES ((EPI_BYTES + STAGE_BYTES - 1) / STAGE_BYTES)
+#define S0 (PERSIST && EPI_STAGES < STAGES ? EPI_STAGES : 0)
+#define PF (!PERSIST || EPI_STAGES >= STAGES ? 0 : STAGES - LAG < STAGES - S0 ? STAGES - LAG : STAGES - S0)
 
 #include "cuda_common.cuh"
 #include "grouped_common.cuh"
@@ -173,10 +196,77 @@ __device__ __forceinline__ u32 act_smem(int r, int p) {
 #endif
 }
 
+// ------------------------------------------------------------------------------------------------ the copies
+// this thread's share of a chunk's cp.async copies: piece (tid & 15) of slot rows (tid >> 4) + r NTHREADS / 16
+// (r < A_PER), so each warp instruction reads two whole 256-byte rows (coalesced) and writes them without bank
+// conflicts; a plane piece of shared row (tid % BROWS) for the planes tid / BROWS + NTHREADS / BROWS * i (MODE 1's
+// last row tile may reach past the N rows, N a multiple of 128: those rows read zeros and are never stored); and the
+// group sum of slot row tid (tid < BM)
+struct ChunkCopies {
+    u32 a_off[A_PER];  // element offset of the row's piece in x (the host checks that it fits 32 bits)
+    u32 a_bytes;       // bit r: row r is a real pair
+    int p_row;
+    u32 p_bytes;
+    long long p_off;
+    const float* s_src;
+    u32 s_bytes;
+};
+
+__device__ __forceinline__ ChunkCopies chunk_copies(const float* xs, int K, int row_tile, int n_out,
+                                                    const int* slot_unit) {
+    const int tid = threadIdx.x;
+    ChunkCopies cc;
+    cc.a_bytes = 0;
+#pragma unroll
+    for (int r = 0; r < A_PER; ++r) {
+        const int u = slot_unit[(tid >> 4) + r * (NTHREADS / 16)];
+        cc.a_off[r] = (u >= 0 ? (u32)u * (u32)K : 0u) + (u32)((tid & 15) * 8);
+        if (u >= 0) cc.a_bytes |= 1u << r;
+    }
+    cc.p_row = tid % BROWS;
+    int grow;
+    {
+        const int T = cc.p_row >> 4, rr = cc.p_row & 15;
+#if MODE == 0
+        const int n = (BROWS / 2) * row_tile + 8 * T + (rr & 7);
+        grow = rr < 8 ? n : n_out + n;
+#else
+        grow = BROWS * row_tile + cc.p_row;
+        (void)T; (void)rr;
+#endif
+    }
+    cc.p_bytes = MODE == 1 && grow >= n_out ? 0u : 16u;
+    cc.p_off = cc.p_bytes ? (long long)grow * (K >> 3) : 0;
+    const int s_unit = tid < BM ? slot_unit[tid] : -1;
+    cc.s_src = xs + (s_unit >= 0 ? (long long)s_unit * (K / G) : 0);
+    cc.s_bytes = s_unit >= 0 ? 4u : 0u;
+    return cc;
+}
+
+// chunk c's copies into the stage at shared address `base` (the plane pieces of q <= QB planes, the group sums at
+// byte `sum_off` of the stage); the caller commits the group
+template <int QB>
+__device__ __forceinline__ void issue_chunk(const ChunkCopies& cc, const long long* prow, int q, const u16* x,
+                                            u32 base, int sum_off, int c) {
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int r = 0; r < A_PER; ++r)
+        cp_async16(base + act_smem((tid >> 4) + r * (NTHREADS / 16), tid & 15), x + cc.a_off[r] + c * CHUNK,
+                   (cc.a_bytes >> r) & 1 ? 16u : 0u);
+#pragma unroll
+    for (int i = 0; i < (QB * BROWS + NTHREADS - 1) / NTHREADS; ++i) {
+        const int p = tid / BROWS + (NTHREADS / BROWS) * i;
+        if (p < q)
+            cp_async16(base + ACT_STAGE + p * PL_STAGE + cc.p_row * 16,
+                       (const unsigned char*)prow[2 + p] + cc.p_off + (long long)c * 16, cc.p_bytes);
+    }
+    if (!OFFW && tid < BM) cp_async4(base + sum_off + tid * 4, cc.s_src + (c * CHUNK) / G, cc.s_bytes);
+}
+
 template <int Q>
 __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, const float* xs, int n_table, int K,
                                          int row_tile, int n_out, unsigned char* smem, const int* slot_unit,
-                                         float (*acc)[NPW / 8][4]) {
+                                         float (*acc)[NPW / 8][4], int issued) {
     constexpr int NP_HI = Q < 4 ? Q : 4;
     constexpr int NP_LO = Q > 4 ? Q - 4 : 0;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -191,52 +281,9 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
     constexpr int LQ = NST >= 3 ? LAG : 1;
     static_assert(NST >= 2 && (QFIT || NST == STAGES), "the ring holds two stages of the widest planes");
 
-    // --- this thread's copies: piece (tid & 15) of slot rows (tid >> 4) + r NTHREADS / 16 (r < A_PER): each warp
-    // instruction reads two whole 256-byte rows (coalesced), and writes them without bank conflicts
-    const int a_piece = tid & 15;
-    u32 a_off[A_PER];  // element offset of the row's piece in x (the host checks that it fits 32 bits)
-    u32 a_bytes = 0;   // bit r: row r is a real pair
-#pragma unroll
-    for (int r = 0; r < A_PER; ++r) {
-        const int u = slot_unit[(tid >> 4) + r * (NTHREADS / 16)];
-        a_off[r] = (u >= 0 ? (u32)u * (u32)K : 0u) + (u32)(a_piece * 8);
-        if (u >= 0) a_bytes |= 1u << r;
-    }
-    // ... plane piece of shared row (tid % BROWS), planes tid / BROWS + NTHREADS / BROWS * i; MODE 1's last row tile
-    // may reach past the N rows (N a multiple of 128): those rows read zeros and are never stored
-    const int p_row = tid % BROWS;
-    int grow;
-    {
-        const int T = p_row >> 4, rr = p_row & 15;
-#if MODE == 0
-        const int n = (BROWS / 2) * row_tile + 8 * T + (rr & 7);
-        grow = rr < 8 ? n : n_out + n;
-#else
-        grow = BROWS * row_tile + p_row;
-#endif
-    }
-    const u32 p_bytes = MODE == 1 && grow >= n_out ? 0u : 16u;
-    const long long p_off = p_bytes ? (long long)grow * (K >> 3) : 0;
-    // ... and the group sum of slot row tid (tid < BM)
-    const int s_unit = tid < BM ? slot_unit[tid] : -1;
-    const float* s_src = xs + (s_unit >= 0 ? (long long)s_unit * ngroups : 0);
-
+    const ChunkCopies cc = chunk_copies(xs, K, row_tile, n_out, slot_unit);
     auto issue = [&](int c) {
-        if (c < chunks) {
-            const u32 base = smem_base + (u32)((c % NST) * QSB);
-#pragma unroll
-            for (int r = 0; r < A_PER; ++r)
-                cp_async16(base + act_smem((tid >> 4) + r * (NTHREADS / 16), a_piece), x + a_off[r] + c * CHUNK,
-                           (a_bytes >> r) & 1 ? 16u : 0u);
-#pragma unroll
-            for (int i = 0; i < (Q * BROWS + NTHREADS - 1) / NTHREADS; ++i) {
-                const int p = tid / BROWS + (NTHREADS / BROWS) * i;
-                if (p < Q)
-                    cp_async16(base + ACT_STAGE + p * PL_STAGE + p_row * 16,
-                               (const unsigned char*)prow[2 + p] + p_off + (long long)c * 16, p_bytes);
-            }
-            if (!OFFW && tid < BM) cp_async4(base + QSUM + tid * 4, s_src + (c * CHUNK) / G, s_unit >= 0 ? 4u : 0u);
-        }
+        if (c < chunks) issue_chunk<Q>(cc, prow, Q, x, smem_base + (u32)(((c + S0) % NST) * QSB), QSUM, c);
         cp_async_commit();
     };
 
@@ -284,7 +331,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 #endif
 
 #pragma unroll
-    for (int st = 0; st < NST - LQ; ++st) issue(st);
+    for (int st = PERSIST ? issued : 0; st < NST - LQ; ++st) issue(st);  // PERSIST: chunks < issued are in flight
     load_raw(0);
     u32 diag_sink = 0;  // DIAG 2: the fragments' consumer, so their loads and decode remain
 
@@ -307,7 +354,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
         cp_async_wait<NST - 1 - LQ>();
         __syncthreads();
         issue(c + NST - LQ);  // into the slot of chunk c - LQ, which every thread and MMA has finished
-        const u32 sb = smem_base + (u32)((c % NST) * QSB);
+        const u32 sb = smem_base + (u32)(((c + S0) % NST) * QSB);
 
         // codes of this lane's rows: [tile][row g / g + 8][word j]
         u32 hi[TPW][2][4], lo[TPW][2][4];
@@ -391,7 +438,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 #if WGMMA
             wg_wait<0>();
 #endif
-            const float* S = (const float*)(smem + (c % NST) * QSB + QSUM);
+            const float* S = (const float*)(smem + ((c + S0) % NST) * QSB + QSUM);
 #pragma unroll
             for (int nt = 0; nt < NPW / 8; ++nt) {
                 const float2 sv = *(const float2*)(S + NPW * wn + 8 * nt + 2 * t);
@@ -412,40 +459,14 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
     if (DIAG & 2 && diag_sink == 0x9E3779B9u && n_out < 0) acc[0][0][0] += 1.f;  // never true: keeps the sink
 }
 
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
-    const u16* x, const float* xs, const long long* page_table, const float* topk_weights, const int* sorted_ids,
-    const int* expert_ids, const int* post_pad, u16* act_out, float* xs_out, float* acc_out, int num_pairs,
-    int topk, int n_out, int n_table, int K, int apply_w_in, int num_experts, int pt_stride, int g_out,
-    int xunit_per_pair) {
-    extern __shared__ __align__(128) unsigned char smem_raw[];
-    unsigned char* smem = align_1024(smem_raw);
-    __shared__ int slot_pair[BM];  // pair of each slot, -1 for padding
-    __shared__ int slot_unit[BM];  // activation row of each slot, -1 for padding
-    // row tiles fastest: the blocks in flight share a few token blocks' activations (L2-resident) and stream
-    // the expert's planes, which the token blocks of one expert then find in L2 in turn
-    const int row_tile = blockIdx.x, tb = blockIdx.y;
-    if (tb * BM >= post_pad[0]) return;
-    const int expert = expert_ids[tb];
-    if (expert < 0 || expert >= num_experts) return;
+// The block's results out: MODE 0 gate_act(gate) * up in w2's order, MODE 1 the output reductions. Uses the ring's
+// first EPI_BYTES of shared memory (every thread is past its mainloop: the copies landed, the MMAs drained)
+__device__ __forceinline__ void epilogue(float (*acc)[NPW / 8][4], unsigned char* smem, const int* slot_pair,
+                                         int row_tile, const float* topk_weights, u16* act_out, float* xs_out,
+                                         float* acc_out, int topk, int n_out, int apply_w_in, int g_out) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     const int wr = warp & 3, wn = WGR == 2 ? 0 : warp >> 2, wgr = WGR == 2 ? warp >> 2 : 0;
-    fill_slots<BM>(sorted_ids, tb, num_pairs, topk, xunit_per_pair, slot_pair, slot_unit);
-    __syncthreads();
-
-    float acc[TPW][NPW / 8][4];
-#pragma unroll
-    for (int a = 0; a < TPW; ++a)
-#pragma unroll
-        for (int nt = 0; nt < NPW / 8; ++nt) acc[a][nt][0] = acc[a][nt][1] = acc[a][nt][2] = acc[a][nt][3] = 0.f;
-
-    const long long* prow = page_table + (long long)expert * pt_stride;
-    const int q = (int)prow[0];
-#define CALL_MAIN(Q) \
-    mainloop<(Q <= PMAX ? Q : 1)>(prow, x, xs, n_table, K, row_tile, n_out, smem, slot_unit, acc)
-    Q_SWITCH(q, CALL_MAIN)
-#undef CALL_MAIN
-
 #if MODE == 0
     // act = gate_act(gate) * up for (n, pair) into a [BM][BROWS / 2] tile in shared memory (the pipeline is
     // drained) ...
@@ -464,13 +485,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
     __syncthreads();
     // ... then out in w2's order
     store_w2_input<BM, NTHREADS, BROWS / 2>(tile, slot_pair, act_out, xs_out, row_tile, n_out, g_out);
-    (void)acc_out; (void)topk_weights; (void)apply_w_in;
+    (void)acc_out; (void)topk_weights; (void)apply_w_in; (void)topk;
 #elif REDV
     // the block's [BM pairs][BROWS rows] results through shared memory (the pipeline is drained; rows padded by 4
     // floats: the fragment stores hit 32 banks), then per 4 consecutive output rows of a pair one 16-byte vector
     // reduction of them times the routing weight: 4x fewer reduction requests than one per value
     constexpr int LD = BROWS + 4;
-    static_assert(BM * LD * 4 <= RING, "the staged results must fit in the pipeline's shared memory");
+    static_assert(EPI_BYTES <= RING, "the staged results must fit in the pipeline's shared memory");
     __syncthreads();
     float* stage = (float*)smem;
     each_acc(acc, wn, wgr, wr, g, t, [&](int slot, int row, float v) { stage[slot * LD + row] = v; });
@@ -486,14 +507,108 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
         }
         if (!(DIAG & 4) || v.x == 1.5e-38f) red_add_v4(acc_out + (long long)(p / topk) * n_out + n, v);
     }
-    (void)act_out; (void)xs_out; (void)g_out; (void)xunit_per_pair;
+    (void)act_out; (void)xs_out; (void)g_out;
 #else
     each_acc(acc, wn, wgr, wr, g, t, [&](int slot, int row, float v) {
         const int n = BROWS * row_tile + row, p = slot_pair[slot];
         if (p >= 0 && n < n_out && (!(DIAG & 4) || v == 1.5e-38f))
             atomicAdd(acc_out + (long long)(p / topk) * n_out + n, apply_w_in ? v : v * topk_weights[p]);
     });
-    (void)act_out; (void)xs_out; (void)g_out; (void)xunit_per_pair;
+    (void)act_out; (void)xs_out; (void)g_out;
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
+    const u16* x, const float* xs, const long long* page_table, const float* topk_weights, const int* sorted_ids,
+    const int* expert_ids, const int* post_pad, u16* act_out, float* xs_out, float* acc_out, int num_pairs,
+    int topk, int n_out, int n_table, int K, int apply_w_in, int num_experts, int pt_stride, int g_out,
+    int xunit_per_pair) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    unsigned char* smem = align_1024(smem_raw);
+#if PERSIST
+    // tiles (token block tb, row tile) with the row tiles fastest, as the blocks of the plain launch; block b takes
+    // tiles b, b + gridDim.x, ... and stops at the first token block past the padded pairs
+    __shared__ int slot_pair[2][BM];  // this tile's slots and the next one's
+    __shared__ int slot_unit[2][BM];
+    const int row_tiles = MODE == 0 ? n_out / (BROWS / 2) : (n_out + BROWS - 1) / BROWS;
+    const int padded = post_pad[0], chunks = K / CHUNK;
+    auto next_tile = [&](int tile) {  // the first tile from `tile` on with a valid expert, -1 past the last
+        for (;; tile += gridDim.x) {
+            const int tb = tile / row_tiles;
+            if (tb * BM >= padded) return -1;
+            const int e = expert_ids[tb];
+            if (e >= 0 && e < num_experts) return tile;
+        }
+    };
+    float acc[TPW][NPW / 8][4];
+    int tile = next_tile(blockIdx.x), buf = 0, issued = 0;
+    if (tile >= 0) fill_slots<BM>(sorted_ids, tile / row_tiles, num_pairs, topk, xunit_per_pair, slot_pair[0],
+                                  slot_unit[0]);
+    __syncthreads();
+    while (tile >= 0) {
+        const int row_tile = tile % row_tiles;
+#pragma unroll
+        for (int a = 0; a < TPW; ++a)
+#pragma unroll
+            for (int nt = 0; nt < NPW / 8; ++nt) acc[a][nt][0] = acc[a][nt][1] = acc[a][nt][2] = acc[a][nt][3] = 0.f;
+        {
+            const long long* prow = page_table + (long long)expert_ids[tile / row_tiles] * pt_stride;
+            const int q = (int)prow[0];
+#define CALL_MAIN(Q) \
+    mainloop<(Q <= PMAX ? Q : 1)>(prow, x, xs, n_table, K, row_tile, n_out, smem, slot_unit[buf], acc, issued)
+            Q_SWITCH(q, CALL_MAIN)
+#undef CALL_MAIN
+        }
+        cp_async_wait<0>();  // a tile whose bitwidth runs no mainloop leaves its early chunks in flight
+        const int next = next_tile(tile + gridDim.x);
+        if (next >= 0) fill_slots<BM>(sorted_ids, next / row_tiles, num_pairs, topk, xunit_per_pair,
+                                      slot_pair[buf ^ 1], slot_unit[buf ^ 1]);
+        __syncthreads();  // every thread is past its mainloop (the ring is free) and the next slots are filled
+        issued = 0;
+        if (PF > 0 && next >= 0) {
+            const long long* nrow = page_table + (long long)expert_ids[next / row_tiles] * pt_stride;
+            const int nq = (int)nrow[0];
+            const ChunkCopies cc = chunk_copies(xs, K, next % row_tiles, n_out, slot_unit[buf ^ 1]);
+#pragma unroll
+            for (int c = 0; c < PF; ++c) {
+                if (c < chunks && nq >= 1 && nq <= PMAX)
+                    issue_chunk<PMAX>(cc, nrow, nq, x, smem_u32(smem) + (u32)(((c + S0) % STAGES) * STAGE_BYTES),
+                                      SUM_OFF, c);
+                cp_async_commit();
+            }
+            issued = PF;
+        }
+        epilogue(acc, smem, slot_pair[buf], row_tile, topk_weights, act_out, xs_out, acc_out, topk, n_out,
+                 apply_w_in, g_out);
+        __syncthreads();  // the epilogue's shared memory is read before the next tile's copies land in it
+        buf ^= 1;
+        tile = next;
+    }
+#else
+    __shared__ int slot_pair[BM];  // pair of each slot, -1 for padding
+    __shared__ int slot_unit[BM];  // activation row of each slot, -1 for padding
+    // row tiles fastest: the blocks in flight share a few token blocks' activations (L2-resident) and stream
+    // the expert's planes, which the token blocks of one expert then find in L2 in turn
+    const int row_tile = blockIdx.x, tb = blockIdx.y;
+    if (tb * BM >= post_pad[0]) return;
+    const int expert = expert_ids[tb];
+    if (expert < 0 || expert >= num_experts) return;
+    fill_slots<BM>(sorted_ids, tb, num_pairs, topk, xunit_per_pair, slot_pair, slot_unit);
+    __syncthreads();
+
+    float acc[TPW][NPW / 8][4];
+#pragma unroll
+    for (int a = 0; a < TPW; ++a)
+#pragma unroll
+        for (int nt = 0; nt < NPW / 8; ++nt) acc[a][nt][0] = acc[a][nt][1] = acc[a][nt][2] = acc[a][nt][3] = 0.f;
+
+    const long long* prow = page_table + (long long)expert * pt_stride;
+    const int q = (int)prow[0];
+#define CALL_MAIN(Q) \
+    mainloop<(Q <= PMAX ? Q : 1)>(prow, x, xs, n_table, K, row_tile, n_out, smem, slot_unit, acc, 0)
+    Q_SWITCH(q, CALL_MAIN)
+#undef CALL_MAIN
+    epilogue(acc, smem, slot_pair, row_tile, topk_weights, act_out, xs_out, acc_out, topk, n_out, apply_w_in, g_out);
 #endif
 }
 

@@ -68,12 +68,17 @@ LAG_CONFIGS = (GroupedConfig(2, 3, rows=256, offset_in_weights=True, refill_lag=
 W256_CONFIGS = (GroupedConfig(4, 3), GroupedConfig(4, 3, red_v4=True),
                 GroupedConfig(4, 3, offset_in_weights=True, refill_lag=2, red_v4=True), GroupedConfig(4, 2, red_v4=True))
 W256_U4_CONFIGS = W256_CONFIGS[:3]
+# one block per SM walking the tiles, the next tile's first chunks issued before the epilogue: 256 x 128 (w2's staged
+# results leave one stage free), with the offset in the weights and the lagged refill, 128 x 64 and mma.sync
+PERSIST_CONFIGS = (GroupedConfig(2, 3, rows=256, red_v4=True, persistent=True),
+                   GroupedConfig(2, 3, rows=256, red_v4=True, offset_in_weights=True, refill_lag=2, persistent=True),
+                   GroupedConfig(1, 3, persistent=True), GroupedConfig(1, 2, wgmma=False, persistent=True))
 # the GPU correctness cases per family (`-k "moe_matches and w256"` runs one)
 CONFIG_GROUPS = {
     "base": (GroupedConfig(1, 2), GroupedConfig(2, 3), GroupedConfig(2, 4), GroupedConfig(1, 3, wgmma=False),
              GroupedConfig(2, 2, wgmma=False)),
     "ws": WS_CONFIGS, "r256": R256_CONFIGS, "ow": OW_CONFIGS, "lag": LAG_CONFIGS,
-    "w256": W256_CONFIGS,
+    "w256": W256_CONFIGS, "persist": PERSIST_CONFIGS,
 }
 
 
@@ -103,6 +108,10 @@ def test_every_variant_compiles_for_sm90(mode):
                                       gemm_arch(cfg, "90")))
     for cfg, bits_max, group, compute in zip(LAG_CONFIGS, (8, 4, 3), (128, 256, 128), (0, 1, 0)):  # refill lag 2
         assert cfg.shared_bytes(bits_max) <= SHARED_LIMIT
+        jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, bits_max, group, compute),
+                                      gemm_arch(cfg, "90")))
+    for cfg, bits_max, group, compute in zip(PERSIST_CONFIGS, (8, 4, 3, 8), (128, 256, 128, 128), (0, 1, 0, 0)):
+        assert cfg.shared_bytes(bits_max) <= SHARED_LIMIT  # persistent, the next tile's copies before the epilogue
         jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, bits_max, group, compute),
                                       gemm_arch(cfg, "90")))
     for cfg, bits_max, group, compute in zip((*W256_CONFIGS, *W256_U4_CONFIGS), (8, 8, 8, 3, 4, 4, 5),
@@ -420,6 +429,12 @@ def test_configs_and_refusals():
     assert r256s4.q_fit and r256s4.ring_bytes(8) == 225 * 1024 and r256s4.shared_bytes(8) <= SHARED_LIMIT
     assert r256s4.ring_bytes(8) // (49 * 1024) == 4 and r256s4.ring_bytes(8) // (65 * 1024) == 3
     assert "-DQFIT=1" in gemm_defines(0, r256s4, 8, 128, 0) and not GroupedConfig(1, 4, rows=256).q_fit
+    # persistent: stages of one size only (the next tile's copies land in the same stages whatever its bitwidth)
+    for bad in (dict(wn=4), dict(wn=2, stages=4, rows=256), dict(ws=True)):
+        with pytest.raises(ValueError, match="persistent applies"):
+            GroupedConfig(persistent=True, **bad)
+    assert "-DPERSIST=1" in gemm_defines(1, GroupedConfig(2, 3, rows=256, persistent=True), 8, 128, 0)
+    assert "-DPERSIST=0" in gemm_defines(1, r256, 8, 128, 0)
     assert {"-DWGR=2", "-DTPW=2"} <= set(gemm_defines(0, r256, 4, 128, 0))
     assert {"-DWGR=1", "-DTPW=2"} <= set(gemm_defines(0, GroupedConfig(wn=2), 4, 128, 0))
     for bad in (dict(rows=256), dict(ws=True), dict(wgmma=False)):
