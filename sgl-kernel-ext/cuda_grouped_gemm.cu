@@ -203,8 +203,7 @@ __device__ __forceinline__ u32 act_smem(int r, int p) {
 // last row tile may reach past the N rows, N a multiple of 128: those rows read zeros and are never stored); and the
 // group sum of slot row tid (tid < BM)
 struct ChunkCopies {
-    u32 a_off[A_PER];  // element offset of the row's piece in x (the host checks that it fits 32 bits)
-    u32 a_bytes;       // bit r: row r is a real pair
+    const int* slot_unit;  // activation row of each slot, -1 for padding (read at each chunk: fewer live registers)
     int p_row;
     u32 p_bytes;
     long long p_off;
@@ -216,13 +215,7 @@ __device__ __forceinline__ ChunkCopies chunk_copies(const float* xs, int K, int 
                                                     const int* slot_unit) {
     const int tid = threadIdx.x;
     ChunkCopies cc;
-    cc.a_bytes = 0;
-#pragma unroll
-    for (int r = 0; r < A_PER; ++r) {
-        const int u = slot_unit[(tid >> 4) + r * (NTHREADS / 16)];
-        cc.a_off[r] = (u >= 0 ? (u32)u * (u32)K : 0u) + (u32)((tid & 15) * 8);
-        if (u >= 0) cc.a_bytes |= 1u << r;
-    }
+    cc.slot_unit = slot_unit;
     cc.p_row = tid % BROWS;
     int grow;
     {
@@ -246,13 +239,15 @@ __device__ __forceinline__ ChunkCopies chunk_copies(const float* xs, int K, int 
 // chunk c's copies into the stage at shared address `base` (the plane pieces of q <= QB planes, the group sums at
 // byte `sum_off` of the stage); the caller commits the group
 template <int QB>
-__device__ __forceinline__ void issue_chunk(const ChunkCopies& cc, const long long* prow, int q, const u16* x,
+__device__ __forceinline__ void issue_chunk(const ChunkCopies& cc, const long long* prow, int q, const u16* x, int K,
                                             u32 base, int sum_off, int c) {
     const int tid = threadIdx.x;
 #pragma unroll
-    for (int r = 0; r < A_PER; ++r)
-        cp_async16(base + act_smem((tid >> 4) + r * (NTHREADS / 16), tid & 15), x + cc.a_off[r] + c * CHUNK,
-                   (cc.a_bytes >> r) & 1 ? 16u : 0u);
+    for (int r = 0; r < A_PER; ++r) {  // the host checks that the element offsets fit 32 bits
+        const int u = cc.slot_unit[(tid >> 4) + r * (NTHREADS / 16)];
+        cp_async16(base + act_smem((tid >> 4) + r * (NTHREADS / 16), tid & 15),
+                   x + ((u >= 0 ? (u32)u * (u32)K : 0u) + (u32)((tid & 15) * 8) + c * CHUNK), u >= 0 ? 16u : 0u);
+    }
 #pragma unroll
     for (int i = 0; i < (QB * BROWS + NTHREADS - 1) / NTHREADS; ++i) {
         const int p = tid / BROWS + (NTHREADS / BROWS) * i;
@@ -283,7 +278,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 
     const ChunkCopies cc = chunk_copies(xs, K, row_tile, n_out, slot_unit);
     auto issue = [&](int c) {
-        if (c < chunks) issue_chunk<Q>(cc, prow, Q, x, smem_base + (u32)(((c + S0) % NST) * QSB), QSUM, c);
+        if (c < chunks) issue_chunk<Q>(cc, prow, Q, x, K, smem_base + (u32)(((c + S0) % NST) * QSB), QSUM, c);
         cp_async_commit();
     };
 
@@ -572,7 +567,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
 #pragma unroll
             for (int c = 0; c < PF; ++c) {
                 if (c < chunks && nq >= 1 && nq <= PMAX)
-                    issue_chunk<PMAX>(cc, nrow, nq, x, smem_u32(smem) + (u32)(((c + S0) % STAGES) * STAGE_BYTES),
+                    issue_chunk<PMAX>(cc, nrow, nq, x, K, smem_u32(smem) + (u32)(((c + S0) % STAGES) * STAGE_BYTES),
                                       SUM_OFF, c);
                 cp_async_commit();
             }
