@@ -243,16 +243,18 @@ def prebuild_grouped(configs: list[GroupedConfig], w13: APMoEWeights, w2: APMoEW
 
 # Pairs per expert from which the default block is 256 weight rows x 128 pairs (two warpgroups along the rows, each
 # weight decoded once per block) instead of 128 rows x 64 pairs: 256 x 128 measured ahead from 128 pairs per expert,
-# 128 x 64 below (benchmark/grouped_sweep.py, docs/results/kernel.md session 28). Three stages.
+# 128 x 64 below (benchmark/grouped_sweep.py, docs/results/kernel.md session 28).
 ROWS256_MIN_PAIRS_PER_EXPERT = 128
 
 
 def default_grouped_config(m: int, topk: int, num_experts: int) -> GroupedConfig:
-    """The block shape by pairs per expert; 256 x 128 adds w2's results by 16-byte vector reductions (red_v4: w2 of
-    Qwen3-30B-A3B at M = 2048 in two thirds of the time, session 31)."""
+    """The block shape by pairs per expert. 256 x 128 adds w2's results by 16-byte vector reductions (red_v4), builds
+    each weight whole with its centred group offset (offset_in_weights: no fp32 offset pass, so no drain of the MMAs at
+    a group's end), refills the stage read two chunks ago (refill_lag=2: no drain before a refill) and runs four stages
+    up to 4-bit blocks (three above), keeping two chunks of copies in flight (docs/results/kernel.md, sessions 31-32)."""
     per_expert = m * topk / max(1, num_experts)
     if per_expert >= ROWS256_MIN_PAIRS_PER_EXPERT:
-        return GroupedConfig(wn=2, stages=3, rows=256, red_v4=True)
+        return GroupedConfig(wn=2, stages=4, rows=256, red_v4=True, offset_in_weights=True, refill_lag=2)
     return GroupedConfig(wn=1, stages=3)
 
 
