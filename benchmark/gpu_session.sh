@@ -114,7 +114,7 @@ if [ "$stage" = grouped ]; then
   if [[ "$parts" == *" sweep "* ]]; then  # configs side by side, each output checked against dequantize-then-GEMM
     timeout "${SW_TIMEOUT:-240}" python3 benchmark/grouped_sweep.py --out "$OUT/grouped_sweep.json" \
       --models "${SW_MODELS:-qwen3moe,mixtral}" --ms "${SW_MS:-2048,256}" \
-      --configs "${SW_CONFIGS:-2.4.r256.rv.ow.lag2,2.3.r256.rv.ow.lag2,2.3.r256.rv,4.3.rv.ow.lag2,1.3,1.3.rv,1.4.ow.lag2}" --reps 10 \
+      --configs "${SW_CONFIGS:-2.4.r256.rv.ow.lag2,2.4.r256.rv.ow.lag2.pf256,2.3.r256.rv,1.3,1.3.rv,1.4.ow.lag2,1.4.rv.ow.lag2}" --reps 10 \
       --time-budget-s "${SW_BUDGET:-200}" 2>&1 | grep -v "^W1" | cut -c1-240
   fi
   if [[ "$parts" == *" diag "* ]]; then  # where the kernel's time goes: a stage left out per DIAG value
