@@ -4,8 +4,8 @@
 Each block multiplies 128 (or, `rows=256`, 256) weight rows by up to 64 * wn (token, slot) pairs of one expert on
 tensor cores. The plane bytes, the activations and their group sums pass through a cp.async pipeline in shared
 memory; every weight pair of an mma fragment is built from the bit-transposed codes with one lop3 and one packed
-fma (c A in the compute type), and each group's offset enters in fp32 from the group's activation sum
-(docs/kernels.md, "The grouped kernel"). One call is the alignment + prep (w13's input in the kernel's chunk
+fma (c A in the compute type), and each group's offset enters in fp32 from the group's activation sum, or
+(`offset_in_weights`, in the 256 x 128 default) inside each weight, centred (docs/kernels.md, "The grouped kernel"). One call is the alignment + prep (w13's input in the kernel's chunk
 order with its group sums; zeroes the accumulators) + w13 (silu(gate) * up in its epilogue, written in w2's order)
 + w2 (float32 atomics, routing weights applied) + one cast.
 
