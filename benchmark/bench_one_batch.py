@@ -21,6 +21,7 @@ its last size (an out-of-memory at batch 64) leaves nothing; this wrapper append
 is measured instead (same JSON lines, SGLang's own write turned off), and the sizes before a failure survive.
 """
 
+import functools
 import inspect
 import sys
 
@@ -55,6 +56,7 @@ def install_result_per_batch(result_filename: str) -> None:
     signature = inspect.signature(run_once)
     seen_warmup = []
 
+    @functools.wraps(run_once)  # its signature stays SGLang's, for a wrapper installed over this one
     def run_once_and_write(*args, **kwargs):
         result = run_once(*args, **kwargs)
         if not seen_warmup:
@@ -89,6 +91,8 @@ def install_warmup_every_batch() -> None:
     signature = inspect.signature(run_once)
     warmed: set[tuple[int, int]] = set()
 
+    # wraps: inspect.signature of this wrapper is SGLang's, so the per-batch writer installed over it can bind tp_rank
+    @functools.wraps(run_once)
     def run_once_after_a_warmup(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         key = (bound.arguments["batch_size"], bound.arguments["input_len"])

@@ -322,6 +322,33 @@ def test_bench_one_batch_writes_each_batch_size_as_measured(tmp_path, monkeypatc
     assert [json.loads(line) for line in path.read_text().splitlines()] == [{"batch_size": 1, "output_len": 64}]
 
 
+def test_bench_one_batch_writes_rows_with_every_batch_warmed_up(tmp_path, monkeypatch):
+    """Both wrappers as the script's main installs them (the warm-up first, the per-batch writer over it): the writer
+    still binds SGLang's arguments (tp_rank; session 33 died on a KeyError here) and writes the timed rows only."""
+    import json
+
+    from sglang.benchmark import one_batch
+
+    def fake_run_once(run_name, model_runner, rank_print, reqs, batch_size, input_len, output_len, log_decode_step,
+                      profile, profile_record_shapes, profile_activities, profile_prefix, profile_stage, tp_rank,
+                      profile_start_step=None, profile_steps=None):
+        return {"batch_size": batch_size, "output_len": output_len, "reqs": reqs}
+
+    monkeypatch.setattr(one_batch, "latency_test_run_once", fake_run_once)
+    monkeypatch.setattr(one_batch, "prepare_synthetic_inputs_for_latency_test", lambda bs, il: f"warm-{bs}-{il}")
+    script = _load_script("bench_one_batch")
+    script.install_warmup_every_batch()
+    path = tmp_path / "r.jsonl"
+    script.install_result_per_batch(str(path))
+    run = one_batch.latency_test_run_once
+    run("r", None, print, "w", 1, 2048, 32, 0, False, False, ("CPU",), "", "all", 0)  # SGLang's warmup
+    for bs in (1, 16):
+        run("r", None, print, f"timed-{bs}", bs, 2048, 64, 0, False, False, ("CPU",), "", "all", 0)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == [{"batch_size": 1, "output_len": 64, "reqs": "timed-1"},
+                    {"batch_size": 16, "output_len": 64, "reqs": "timed-16"}]
+
+
 def test_summarize_e2e_writes_the_issue_headline_keys(tmp_path, monkeypatch, capsys):
     """summarize_e2e.py: per model and batch, decode throughput of PagedWeight over stock fp8 / bf16 (both scopes) and
     stock's prefill time over PagedWeight's; a model missing a system has no entry there; a run with fewer layers
