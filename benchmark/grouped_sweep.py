@@ -53,16 +53,22 @@ def block_fill(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> float:
 
 
 def parse_config(text: str) -> GroupedConfig:
-    """wn.stages[.mma|.ws|.r256][.rv][.ow][.lag2][.p][.pf128|.pf256] (wn 4: 128 rows x 256 pairs): mma.sync instead
-    of wgmma, the warp-specialized kernel, or 256-row blocks; w2's vector reductions (red_v4); the offset inside the
-    weights (offset_in_weights); refills of the slot read two chunks ago (refill_lag=2); one block per SM walking the
-    tiles (persistent); the L2 prefetch size of the copies."""
+    """wn.stages[.mma|.ws|.r256][.rv][.ow][.lag2][.p][.pf128|.pf256][.csN][.d2] (wn 4: 128 rows x 256 pairs): mma.sync
+    instead of wgmma, the warp-specialized kernel, or 256-row blocks; w2's vector reductions (red_v4); the offset
+    inside the weights (offset_in_weights); refills of the slot read two chunks ago (refill_lag=2); one block per SM
+    walking the tiles (persistent); the L2 prefetch size of the copies; the refill copies issued after k16 step N
+    (copy_step); two k16 steps of MMAs left in flight (mma_depth=2); 64 rows per warpgroup (.wg4 at 256 x 128, .wg2 at
+    128 x 64: row_warpgroups)."""
     wn, stages, *tags = text.split(".")
     pf = [int(t[2:]) for t in tags if t.startswith("pf")]
-    kind = [t for t in tags if not t.startswith("pf") and t not in ("rv", "ow", "lag2", "p")]
+    cs = [int(t[2:]) for t in tags if t.startswith("cs")]
+    wg = [int(t[2:]) for t in tags if t.startswith("wg")]
+    kind = [t for t in tags if not t.startswith(("pf", "cs", "wg")) and t not in ("rv", "ow", "lag2", "p", "d2")]
     return GroupedConfig(int(wn), int(stages), wgmma=kind != ["mma"], ws=kind == ["ws"], l2_prefetch=pf[0] if pf else 0,
                          rows=256 if kind == ["r256"] else 128, red_v4="rv" in tags, offset_in_weights="ow" in tags,
-                         refill_lag=2 if "lag2" in tags else 1, persistent="p" in tags)
+                         refill_lag=2 if "lag2" in tags else 1, persistent="p" in tags,
+                         copy_step=cs[0] if cs else -1, mma_depth=2 if "d2" in tags else 1,
+                         row_warpgroups=wg[0] if wg else None)
 
 
 def main() -> None:
@@ -77,7 +83,8 @@ def main() -> None:
                     help="comma list of wn.stages[.mma|.ws|.r256][.rv][.ow][.lag2][.pf128|.pf256] (e.g. 2.3.ws: "
                          "128 pairs, 3 stages, warp-specialized; 2.3.r256.rv: 256 rows x 128 pairs, w2's vector "
                          "reductions; 4.3: 128 rows x 256 pairs; .ow: the offset inside the weights; .lag2: refills "
-                         "two chunks back)")
+                         "two chunks back; .cs3: the refill after k16 step 3; .d2: two steps of MMAs in flight; .wg4 / .wg2: 64 "
+                         "rows per warpgroup)")
     ap.add_argument("--tiles", action="store_true", help="also time the dequantize-then-GEMM path")
     args = ap.parse_args()
     t0 = time.time()
@@ -111,7 +118,8 @@ def main() -> None:
                     else:
                         r = dict(model=mk, case=case, M=M, wn=cfg.wn, stages=cfg.stages, wgmma=cfg.wgmma, ws=cfg.ws,
                                  rows=cfg.rows, red_v4=cfg.red_v4, offset_in_weights=cfg.offset_in_weights,
-                                 refill_lag=cfg.refill_lag, persistent=cfg.persistent, default=cfg == default,
+                                 refill_lag=cfg.refill_lag, persistent=cfg.persistent, copy_step=cfg.copy_step,
+                                 mma_depth=cfg.mma_depth, row_warpgroups=cfg.row_warpgroups, default=cfg == default,
                                  block_fill=block_fill(ids, E, cfg.block_m))
                         call = lambda: ap_fused_moe_grouped(x, tw, ids, w13, w2, config=cfg)  # noqa: E731
                     try:
@@ -126,7 +134,7 @@ def main() -> None:
                     name = ("tiles" if cfg == "tiles" else
                             f"wn={cfg.wn} st={cfg.stages} wgmma={int(cfg.wgmma)} ws={int(cfg.ws)} rows={cfg.rows} "
                             f"rv={int(cfg.red_v4)} ow={int(cfg.offset_in_weights)} lag={cfg.refill_lag} "
-                            f"p={int(cfg.persistent)} "
+                            f"p={int(cfg.persistent)} cs={cfg.copy_step} d={cfg.mma_depth} wg={cfg.row_warpgroups} "
                             f"fill={r['block_fill']:.2f}")
                     print(f"{mk:<10} {case} M={M:<5} {name} {r.get('us', float('nan')):9.1f} us "
                           f"err {r.get('rel_err_vs_tiles', float('nan')):.1e} {r.get('error', '')} {r.get('kernels', '')}",

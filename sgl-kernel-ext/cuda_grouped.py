@@ -2,7 +2,7 @@
 (cuda_grouped_gemm.cu, NVRTC), so no expert is ever dequantized into a scratch.
 
 Each block multiplies 128 (or, `rows=256`, 256) weight rows by up to 64 * wn (token, slot) pairs of one expert on
-tensor cores. The plane bytes, the activations and their group sums pass through a cp.async pipeline in shared
+tensor cores (the 256 x 128 default as four warpgroups of 64 rows). The plane bytes, the activations and their group sums pass through a cp.async pipeline in shared
 memory; every weight pair of an mma fragment is built from the bit-transposed codes with one lop3 and one packed
 fma (c A in the compute type), and each group's offset enters in fp32 from the group's activation sum, or
 (`offset_in_weights`, in the 256 x 128 default) inside each weight, centred (docs/kernels.md, "The grouped kernel"). One call is the alignment + prep (w13's input in the kernel's chunk
@@ -12,13 +12,15 @@ order with its group sums; zeroes the accumulators) + w13 (silu(gate) * up in it
 Device memory beyond the output: w13's input in the compute type ([M or M * topk, H]), w2's input ([M * topk,
 I]), float32 group sums and the float32 [M, H] accumulator; nothing proportional to the experts.
 
-Scope: CUDA, ubcq tables, group sizes multiples of 128, hidden and intermediate sizes multiples of 128 (a 256-row
-block past the hidden size reads zero planes for the rows beyond it and stores nothing of them).
+Scope: CUDA, ubcq tables, group sizes multiples of 128 (w2: or 64, with the offset in the weights), hidden sizes
+multiples of 128 (a 256-row block past the hidden size reads zero planes for the rows beyond it and stores nothing of
+them), intermediate sizes multiples of 64 (an odd multiple of 64 builds with -DTAIL64: cuda_grouped_gemm.cu).
 `grouped_moe_unsupported` says why a layer is not eligible.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,7 @@ from pagedweight.kernels.nvrtc import build_in_parallel, cached_kernel, compile_
 from pagedweight.kernels.weights import APMoEWeights
 
 CHUNK = 128
+TAIL_GROUP = 64  # w2's group size where the intermediate size is an odd multiple of 64 (TAIL64)
 ROWS_PER_BLOCK = 128  # weight rows of one block (w13: 64 gate rows and their up rows); GroupedConfig.rows
 _SOURCE = Path(__file__).with_name("cuda_grouped_gemm.cu")
 _WS_SOURCE = Path(__file__).with_name("cuda_grouped_ws.cu")
@@ -60,6 +63,11 @@ class GroupedConfig:
     # all 64 * wn pairs (wgmma m64n(64 wn)k16), so each weight is decoded once per block and each activation byte
     # read from L2 feeds twice the rows (single-role wgmma kernel only)
     rows: int = ROWS_PER_BLOCK
+    # warpgroups along the block's rows (None: the block's usual, 2 at 256 rows or 256 pairs, else 1). The split
+    # forms give each warpgroup 64 rows (one wgmma per k16 step), so each warp holds half the accumulators and
+    # decodes half the rows, and twice the warps per scheduler hide each other's latencies: 256 x 128 as 4 (512
+    # threads, registers capped at 128), 128 x 64 as 2 (256 threads, two blocks per SM, registers capped at 128)
+    row_warpgroups: int | None = None
     # w2 (single-role kernel): stage the block's results in shared memory and add them into the output with 16-byte
     # vector reductions (sm_90), 4x fewer reduction requests than one float32 atomic per value
     red_v4: bool = False
@@ -74,6 +82,14 @@ class GroupedConfig:
     # of its next tile before the current tile's epilogue (into the stages the epilogue's shared memory leaves), so
     # a tile's pipeline no longer fills from empty after the epilogue
     persistent: bool = False
+    # single-role wgmma kernel: the k16 step of each chunk (1..7) after whose MMAs are issued the chunk's refill
+    # copies; -1 before the first step. Later puts the chunk's first MMAs ahead of the copies' address work, so the
+    # tensor cores wait less after each chunk's barrier (after step 0 ptxas serializes the chunk's MMAs)
+    copy_step: int = -1
+    # single-role wgmma kernel: k16 steps of MMAs left in flight after each step is issued (1: wait for the step
+    # before; 2: for the one before that, the A fragments of three steps live at once), so the tensor cores keep a
+    # deeper queue while the warps decode
+    mma_depth: int = 1
 
     def __post_init__(self) -> None:
         if self.wn not in (1, 2, 4):
@@ -89,6 +105,12 @@ class GroupedConfig:
             raise ValueError("the warp-specialized grouped kernel (ws=True) runs on wgmma: pass wgmma=True")
         if self.rows not in (128, 256):
             raise ValueError(f"rows must be 128 or 256, got {self.rows}")
+        usual = 2 if self.rows == 256 or self.wn == 4 else 1
+        if self.row_warpgroups is None:
+            object.__setattr__(self, "row_warpgroups", usual)
+        if self.row_warpgroups != usual and not (self.split_rows and not self.ws and self.wgmma):
+            raise ValueError(f"row_warpgroups={self.row_warpgroups}: the split forms are 4 at rows=256, wn=2 and 2 at "
+                             f"rows=128, wn=1 (wgmma, ws=False); otherwise leave it at {usual}")
         if self.red_v4 and self.ws:
             raise ValueError("red_v4 applies to the single-role grouped kernel: pass ws=False")
         if self.offset_in_weights and self.ws:
@@ -101,6 +123,14 @@ class GroupedConfig:
         if self.persistent and (self.ws or self.q_fit):
             raise ValueError("persistent applies to the single-role grouped kernel with stages of one size: pass "
                              "ws=False, and not wn=4 nor rows=256 at four stages")
+        if not (self.copy_step == -1 or 1 <= self.copy_step <= 7):
+            raise ValueError(f"copy_step must be -1 or one of a chunk's k16 steps 1..7, got {self.copy_step}")
+        if self.copy_step >= 0 and (self.ws or not self.wgmma):
+            raise ValueError("copy_step applies to the single-role wgmma kernel: pass ws=False, wgmma=True")
+        if self.mma_depth not in (1, 2):
+            raise ValueError(f"mma_depth must be 1 or 2, got {self.mma_depth}")
+        if self.mma_depth == 2 and (self.ws or not self.wgmma):
+            raise ValueError("mma_depth=2 applies to the single-role wgmma kernel: pass ws=False, wgmma=True")
         if self.rows == 256 and (self.ws or not self.wgmma):
             raise ValueError("256-row blocks (rows=256) run on the single-role wgmma kernel: pass ws=False, "
                              "wgmma=True")
@@ -110,9 +140,16 @@ class GroupedConfig:
         return 64 * self.wn
 
     @property
+    def split_rows(self) -> bool:
+        """64 rows per warpgroup where the block's usual form has 128: 256 x 128 in four warpgroups, 128 x 64 in two."""
+        return (self.rows, self.wn, self.row_warpgroups) in ((256, 2, 4), (128, 1, 2))
+
+    @property
     def threads(self) -> int:
         if self.ws:
             return 384
+        if self.split_rows:
+            return 128 * self.row_warpgroups
         return 256 if self.rows == 256 or self.wn == 4 else 128 * self.wn
 
     @property
@@ -156,8 +193,8 @@ def grouped_unsupported(w: APMoEWeights) -> str | None:
     if w.table_kind != "ubcq":
         return (f"table kind {w.table_kind!r} (the grouped kernel reads ubcq tables, whose weights are affine in the "
                 "code)")
-    if w.group_size % CHUNK:
-        return f"ubcq group size {w.group_size} is not a multiple of {CHUNK}"
+    if w.group_size % CHUNK and w.group_size != TAIL_GROUP:
+        return f"ubcq group size {w.group_size} is neither {TAIL_GROUP} nor a multiple of {CHUNK}"
     if w.K % w.group_size:
         return f"K={w.K} is not a multiple of the group size {w.group_size}"
     if w.K // w.group_size > MAX_GROUPS:
@@ -171,9 +208,23 @@ def grouped_moe_unsupported(w13: APMoEWeights, w2: APMoEWeights) -> str | None:
     why = grouped_unsupported(w13) or grouped_unsupported(w2)
     if why is None and w2.N % ROWS_PER_BLOCK:
         return f"the hidden size {w2.N} is not a multiple of {ROWS_PER_BLOCK}"
-    if why is None and w2.K % CHUNK:
-        return f"the intermediate size {w2.K} is not a multiple of {CHUNK}"
+    if why is None and w2.K % TAIL_GROUP:
+        return f"the intermediate size {w2.K} is not a multiple of {TAIL_GROUP}"
+    if why is None and w13.group_size < CHUNK:
+        return f"w13's group size {w13.group_size} (its input is the hidden size: groups of {CHUNK} or more)"
     return why
+
+
+def grouped_layer_config(cfg: GroupedConfig, w2: APMoEWeights, explicit: bool) -> GroupedConfig:
+    """`cfg` for this layer: w2 groups of 64 inputs need the offset in the weights on the plain launch (the fp32
+    offset pass sums whole chunks). A default config takes it on; an explicit one without it is refused."""
+    if w2.group_size >= CHUNK or (cfg.offset_in_weights and not cfg.persistent and not cfg.ws):
+        return cfg
+    if explicit:
+        raise ValueError(f"moe: the grouped kernel reads w2's groups of {w2.group_size} inputs only with the offset in "
+                         f"the weights on the plain launch: pass a GroupedConfig with offset_in_weights=True, "
+                         f"persistent=False, ws=False (got {cfg})")
+    return dataclasses.replace(cfg, offset_in_weights=True)
 
 
 def require_grouped(why: str | None) -> None:
@@ -181,16 +232,21 @@ def require_grouped(why: str | None) -> None:
         raise ValueError(f"moe: the grouped kernel cannot run: {why}")
 
 
-def gemm_defines(mode: int, cfg: GroupedConfig, bits_max: int, group_size: int, compute: int) -> list[str]:
+def gemm_defines(mode: int, cfg: GroupedConfig, bits_max: int, group_size: int, compute: int,
+                 tail64: bool = False) -> list[str]:
+    if tail64 and (cfg.ws or cfg.persistent):
+        raise ValueError("an intermediate size that is an odd multiple of 64 runs on the plain single-role launch: pass "
+                         "ws=False, persistent=False")
     if cfg.ws:
         return [f"-DMODE={mode}", f"-DBN={cfg.block_m}", f"-DPMAX={bits_max}", f"-DG={group_size}",
                 f"-DCT={compute}", f"-DSTAGES={cfg.stages}", f"-DL2PF={cfg.l2_prefetch}"]
     return [f"-DMODE={mode}", f"-DWN={cfg.wn}", f"-DPMAX={bits_max}", f"-DG={group_size}", f"-DCT={compute}",
             f"-DSTAGES={cfg.stages}", f"-DWGMMA={int(cfg.wgmma)}", f"-DL2PF={cfg.l2_prefetch}",
-            f"-DWGR={2 if cfg.rows == 256 or cfg.wn == 4 else 1}", f"-DTPW={1 if cfg.wn == 4 else 2}",
+            f"-DWGR={cfg.row_warpgroups}", f"-DTPW={1 if cfg.wn == 4 or cfg.split_rows else 2}",
             f"-DRING={cfg.ring_bytes(bits_max)}", f"-DQFIT={int(cfg.q_fit)}",
             f"-DREDV={int(cfg.red_v4 and mode == MODE_W2)}", f"-DOFFW={int(cfg.offset_in_weights)}",
-            f"-DLAG={cfg.refill_lag}", f"-DPERSIST={int(cfg.persistent)}"]
+            f"-DLAG={cfg.refill_lag}", f"-DPERSIST={int(cfg.persistent)}", f"-DCOPY_STEP={cfg.copy_step}",
+            f"-DMMA_DEPTH={cfg.mma_depth}", *(["-DTAIL64=1"] if tail64 else [])]
 
 
 def gemm_arch(cfg: GroupedConfig, compute_capability: str) -> str:
@@ -216,7 +272,8 @@ def gemm_kernel(cfg: GroupedConfig, mode: int, w: APMoEWeights, activation: str,
     """The (cached) w13 or w2 kernel of `cfg` for `w`, and its dynamic shared memory."""
     major, minor = torch.cuda.get_device_capability(device)
     smem = cfg.shared_bytes(w.bits_max)
-    defines = gemm_defines(mode, cfg, w.bits_max, w.group_size, compute)
+    inter = w.N // 2 if mode == MODE_W13 else w.K
+    defines = gemm_defines(mode, cfg, w.bits_max, w.group_size, compute, tail64=inter % CHUNK != 0)
     defines = tuple(defines + act_defines(activation) if mode == MODE_W13 else defines)
     return cached_kernel(cfg.source, cfg.kernel_name, defines, device.index or 0, smem,
                          gemm_arch(cfg, f"{major}{minor}")), smem
@@ -234,6 +291,11 @@ def prebuild_grouped(configs: list[GroupedConfig], w13: APMoEWeights, w2: APMoEW
         if cfg.shared_bytes(max(w13.bits_max, w2.bits_max)) > SHARED_LIMIT:
             skipped.append(f"{cfg}: its stages do not fit one block's shared memory")
             continue
+        try:
+            grouped_layer_config(cfg, w2, explicit=True)
+        except ValueError as e:
+            skipped.append(str(e))
+            continue
         jobs += [(cfg, MODE_W13, w13), (cfg, MODE_W2, w2)]
     if jobs:
         build_in_parallel([functools.partial(gemm_kernel, *job, activation, compute, device) for job in jobs],
@@ -241,20 +303,24 @@ def prebuild_grouped(configs: list[GroupedConfig], w13: APMoEWeights, w2: APMoEW
     return skipped
 
 
-# Pairs per expert from which the default block is 256 weight rows x 128 pairs (two warpgroups along the rows, each
+# Pairs per expert from which the default block is 256 weight rows x 128 pairs (warpgroups along the rows, each
 # weight decoded once per block) instead of 128 rows x 64 pairs: 256 x 128 measured ahead from 128 pairs per expert,
-# 128 x 64 below (benchmark/grouped_sweep.py, docs/results/kernel.md session 28).
+# 128 x 64 below (benchmark/grouped_sweep.py, docs/results/kernel.md session 28; not re-measured since the four
+# warpgroups of session 33).
 ROWS256_MIN_PAIRS_PER_EXPERT = 128
 
 
 def default_grouped_config(m: int, topk: int, num_experts: int) -> GroupedConfig:
-    """The block shape by pairs per expert. 256 x 128 adds w2's results by 16-byte vector reductions (red_v4), builds
-    each weight whole with its centred group offset (offset_in_weights: no fp32 offset pass, so no drain of the MMAs at
-    a group's end), refills the stage read two chunks ago (refill_lag=2: no drain before a refill) and runs four stages
-    up to 4-bit blocks (three above), keeping two chunks of copies in flight (docs/results/kernel.md, sessions 31-32)."""
+    """The block shape by pairs per expert. 256 x 128 runs as four warpgroups of 64 rows (512 threads: more warps to
+    hide each other's latencies), adds w2's results by 16-byte vector reductions (red_v4), builds each weight whole
+    with its centred group offset (offset_in_weights: no fp32 offset pass, so no drain of the MMAs at a group's end),
+    refills the stage read two chunks ago (refill_lag=2: no drain before a refill), issues those copies after a
+    chunk's third k16 step (copy_step=2) and runs four stages up to 4-bit blocks (three above), keeping two chunks of
+    copies in flight (docs/results/kernel.md, sessions 31-33)."""
     per_expert = m * topk / max(1, num_experts)
     if per_expert >= ROWS256_MIN_PAIRS_PER_EXPERT:
-        return GroupedConfig(wn=2, stages=4, rows=256, red_v4=True, offset_in_weights=True, refill_lag=2)
+        return GroupedConfig(wn=2, stages=4, rows=256, row_warpgroups=4, red_v4=True, offset_in_weights=True,
+                             refill_lag=2, copy_step=2)
     return GroupedConfig(wn=1, stages=3)
 
 
@@ -267,14 +333,15 @@ def ap_fused_moe_grouped(
     m, topk = topk_ids.shape
     num_pairs = m * topk
     dev = hidden.device
-    cfg = config or default_grouped_config(m, topk, w13.num_experts)
+    cfg = grouped_layer_config(config or default_grouped_config(m, topk, w13.num_experts), w2, config is not None)
     x = hidden.contiguous()
     tw = topk_weights.contiguous().float()
     compute = compute_code(x.dtype)
     inter, H = w2.K, w2.N
+    inter_row = -(-inter // CHUNK) * CHUNK  # w2's input rows, padded to whole chunks (-DTAIL64)
     units, src = (num_pairs, SRC_PAIR) if apply_router_weight_on_input else (m, SRC_TOKEN)
     too_many_blocks = num_pairs + w13.num_experts * cfg.block_m >= 65535 * cfg.block_m
-    if max(units * w13.K, num_pairs * inter) >= 2**31 or too_many_blocks:
+    if max(units * w13.K, num_pairs * inter_row) >= 2**31 or too_many_blocks:
         raise ValueError(f"moe: {m} tokens x top-{topk} exceed the grouped kernel's 32-bit activation offsets or its "
                          f"65535 blocks of {cfg.block_m} pairs at hidden {w13.K} / intermediate {inter}: split the "
                          "batch")
@@ -292,7 +359,7 @@ def ap_fused_moe_grouped(
                          dev.index or 0)
     prep(grid=(units, 1, 1), block=(256, 1, 1),
          args=[x, x.stride(0), tw, xp, xs13, topk, w13.K, src, zero, zero.numel()])
-    act = torch.empty(num_pairs, inter, dtype=torch.int16, device=dev)
+    act = torch.empty(num_pairs, inter_row, dtype=torch.int16, device=dev)
     common = [tw, align.sorted_ids, align.expert_ids, align.num_tokens_post_padded]
     for mode, w, xin, xsin, n_out in ((MODE_W13, w13, xp, xs13, inter), (MODE_W2, w2, act, xs2, H)):
         kernel, smem = gemm_kernel(cfg, mode, w, activation, compute, dev)

@@ -10,7 +10,10 @@
 // only): two warpgroups split the 256 rows and each multiplies its 128 by all BM pairs (wgmma m64nBMk16), so every
 // weight is decoded once per block and meets BM pairs, and each activation byte read feeds 256 rows; with TPW = 1
 // (WN = 4) they split 128 rows, 64 each, by all 256 pairs (wgmma m64n256k16): each weight meets twice the pairs
-// for half the rows an activation byte feeds.
+// for half the rows an activation byte feeds. TPW = 1 with WN <= 2 splits a block's rows into warpgroups of 64, each one
+// wgmma per k16 step: 256 x 128 as four warpgroups (WGR = 4, 512 threads), 128 x 64 as two (WGR = 2, WN = 1, two
+// blocks per SM): the same block, each warp with half the accumulators and half the decode, and twice the warps per
+// scheduler to hide each other's latencies.
 // Per chunk each warp (32 rows) takes its rows' plane words by ldmatrix (the 4 x 4 word transposition
 // of the fold kernel: lane quarter t of a chunk in lane t), bit-transposes them into nibble codes (two delta-swap
 // stages), and builds each weight pair of an mma fragment with one lop3 and one packed fma, centred:
@@ -86,8 +89,30 @@
 // hides behind the epilogue rather than opening every tile (stages of the widest planes only: no QFIT)
 #define PERSIST 0
 #endif
+#ifndef TAIL64
+// 1: the intermediate size is an odd multiple of 64 (704, the TP-2 shard of 1408), so w2 reads groups of 64 inputs
+// (with OFFW) and a last half chunk. w2's input rows are padded to a multiple of 128 (ROW_STRIDE); MODE 1's last
+// chunk copies 8 of each 16 bytes and zero-fills the rest (the half chunk's inputs are the first 8 bytes of every
+// 16-byte piece of the permuted order, the plane bytes the first 8 of the row's 16), so the inputs past K are zero
+// and so are their products; MODE 0 writes w2's input at the padded stride, and where a block holds 128 outputs its
+// last row tile holds 64 (the rows past n_out read no planes; what it stores for them is never read)
+#define TAIL64 0
+#endif
+#ifndef COPY_STEP
+// wgmma: the k16 step (0..7) of each chunk after whose MMAs the chunk's refill copies are issued (-1: before the
+// first step), so the chunk's first MMAs do not wait for the copies' address work
+#define COPY_STEP -1
+#endif
+#ifndef MMA_DEPTH
+// wgmma: k16 steps of MMAs left in flight after each step (1: wait for the step before; 2: the A fragments of three
+// steps are live at once)
+#define MMA_DEPTH 1
+#endif
 #ifndef WGR
-#define WGR 1  // warpgroups along the weight rows: 2 = each warpgroup its own rows x all BM pairs (wgmma)
+// warpgroups along the weight rows: 2 = each warpgroup its own rows x all BM pairs (wgmma); 4 (TPW = 1, WN = 2):
+// 256 rows x 128 pairs as four warpgroups of 64 rows, each one wgmma m64n128k16 per k16 step, so each warp holds half
+// the accumulators and decodes half the rows of WGR = 2, and twice the warps hide each other's latencies
+#define WGR 1
 #endif
 #ifndef TPW
 // 16-row tiles per warp: 2 (a warpgroup's 128 rows, two wgmma m64 per k16 step), or 1 (WGR = 2, WN = 4: 128 rows x
@@ -95,8 +120,11 @@
 // pairs and an expert of up to 256 pairs is one token block)
 #define TPW 2
 #endif
-#if G % 128
-#error "G must be a multiple of 128"
+#if G % 128 && !(G == 64 && OFFW)
+#error "G must be a multiple of 128, or 64 with the offset in the weights (OFFW)"
+#endif
+#if TAIL64 && (PERSIST || G % 64)
+#error "TAIL64 runs the plain launch (no PERSIST) with groups of 64 or more"
 #endif
 #if WN != 1 && WN != 2 && WN != 4
 #error "WN must be 1, 2 or 4"
@@ -104,17 +132,26 @@
 #if TPW != 1 && TPW != 2
 #error "TPW must be 1 or 2"
 #endif
-#if (TPW == 1) != (WN == 4) || (TPW == 1 && WGR != 2)
-#error "128 x 256 blocks are TPW = 1, WN = 4, WGR = 2; every other block has TPW = 2 and WN <= 2"
+#if TPW == 1 && !((WN == 4 && WGR == 2) || (WN == 2 && WGR == 4) || (WN == 1 && WGR == 2))
+#error "TPW = 1 blocks: 128 x 256 (WN = 4, WGR = 2), 256 x 128 in four warpgroups (WN = 2, WGR = 4), 128 x 64 in two (WN = 1, WGR = 2)"
 #endif
-#if WGR != 1 && WGR != 2
-#error "WGR must be 1 or 2"
+#if TPW == 2 && (WN == 4 || WGR == 4)
+#error "TPW = 2 blocks have WN <= 2 and WGR <= 2"
 #endif
-#if WGR == 2 && !WGMMA
-#error "WGR = 2 (warpgroups along the rows) runs on wgmma"
+#if WGR != 1 && WGR != 2 && WGR != 4
+#error "WGR must be 1, 2 or 4"
+#endif
+#if WGR >= 2 && !WGMMA
+#error "WGR >= 2 (warpgroups along the rows) runs on wgmma"
 #endif
 #if LAG != 1 && !(LAG == 2 && WGMMA && STAGES >= 3)
 #error "LAG must be 1, or 2 with wgmma and at least 3 stages"
+#endif
+#if COPY_STEP < -1 || COPY_STEP > 7 || (COPY_STEP >= 0 && !WGMMA)
+#error "COPY_STEP must be -1, or 0..7 with wgmma"
+#endif
+#if MMA_DEPTH != 1 && !(MMA_DEPTH == 2 && WGMMA)
+#error "MMA_DEPTH must be 1, or 2 with wgmma"
 #endif
 #if PERSIST && QFIT
 #error "PERSIST needs stages of one size for every bitwidth (QFIT = 0)"
@@ -123,11 +160,11 @@
 // A tile T (16 rows, 0 .. BROWS / 16 - 1) of warp row wr (0..3) in row warpgroup wgr, a = 0 .. TPW - 1: mma.sync
 // gives a warp two adjacent tiles; wgmma a warpgroup 64 rows per instruction, warp wr rows 16 wr .. 16 wr + 15 of each
 #define TILE(wgr, wr, a) (WGMMA ? 4 * TPW * (wgr) + 4 * (a) + (wr) : 2 * (wr) + (a))
-#define NWARPS (WGR == 2 ? 8 : 4 * WN)
+#define NWARPS (WGR >= 2 ? 4 * WGR : 4 * WN)
 #define NTHREADS (NWARPS * 32)
 #define BM (64 * WN)
 #define BROWS (64 * TPW * WGR)
-#define NPW (WGR == 2 ? BM : 64)  // pairs of one warp's MMAs (the wgmma N)
+#define NPW (WGR >= 2 ? BM : 64)  // pairs of one warp's MMAs (the wgmma N)
 #define CHUNK 128
 #define A_PER (BM * 16 / NTHREADS)  // 16-byte activation copies per thread and stage
 #define ACT_STAGE (BM * 256)
@@ -223,12 +260,15 @@ __device__ __forceinline__ ChunkCopies chunk_copies(const float* xs, int K, int 
 #if MODE == 0
         const int n = (BROWS / 2) * row_tile + 8 * T + (rr & 7);
         grow = rr < 8 ? n : n_out + n;
+#if TAIL64
+        if (n >= n_out) grow = 2 * n_out;  // past the last output of a half row tile: no planes (p_bytes 0)
+#endif
 #else
         grow = BROWS * row_tile + cc.p_row;
         (void)T; (void)rr;
 #endif
     }
-    cc.p_bytes = MODE == 1 && grow >= n_out ? 0u : 16u;
+    cc.p_bytes = (MODE == 1 && grow >= n_out) || (TAIL64 && MODE == 0 && grow >= 2 * n_out) ? 0u : 16u;
     cc.p_off = cc.p_bytes ? (long long)grow * (K >> 3) : 0;
     const int s_unit = tid < BM ? slot_unit[tid] : -1;
     cc.s_src = xs + (s_unit >= 0 ? (long long)s_unit * (K / G) : 0);
@@ -242,18 +282,21 @@ template <int QB>
 __device__ __forceinline__ void issue_chunk(const ChunkCopies& cc, const long long* prow, int q, const u16* x, int K,
                                             u32 base, int sum_off, int c) {
     const int tid = threadIdx.x;
+    const bool half = TAIL64 && MODE == 1 && (c + 1) * CHUNK > K;  // the last chunk of K = 64 (mod 128)
 #pragma unroll
     for (int r = 0; r < A_PER; ++r) {  // the host checks that the element offsets fit 32 bits
         const int u = cc.slot_unit[(tid >> 4) + r * (NTHREADS / 16)];
         cp_async16(base + act_smem((tid >> 4) + r * (NTHREADS / 16), tid & 15),
-                   x + ((u >= 0 ? (u32)u * (u32)K : 0u) + (u32)((tid & 15) * 8) + c * CHUNK), u >= 0 ? 16u : 0u);
+                   x + ((u >= 0 ? (u32)u * (u32)ROW_STRIDE(K) : 0u) + (u32)((tid & 15) * 8) + c * CHUNK),
+                   u >= 0 ? (half ? 8u : 16u) : 0u);
     }
 #pragma unroll
     for (int i = 0; i < (QB * BROWS + NTHREADS - 1) / NTHREADS; ++i) {
         const int p = tid / BROWS + (NTHREADS / BROWS) * i;
         if (p < q)
             cp_async16(base + ACT_STAGE + p * PL_STAGE + cc.p_row * 16,
-                       (const unsigned char*)prow[2 + p] + cc.p_off + (long long)c * 16, cc.p_bytes);
+                       (const unsigned char*)prow[2 + p] + cc.p_off + (long long)c * 16,
+                       half && cc.p_bytes ? 8u : cc.p_bytes);
     }
     if (!OFFW && tid < BM) cp_async4(base + sum_off + tid * 4, cc.s_src + (c * CHUNK) / G, cc.s_bytes);
 }
@@ -266,9 +309,13 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
     constexpr int NP_LO = Q > 4 ? Q - 4 : 0;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int wr = warp & 3, wn = WGR == 2 ? 0 : warp >> 2, wgr = WGR == 2 ? warp >> 2 : 0;
-    const int chunks = K / CHUNK, ngroups = K / G;
+    const int wr = warp & 3, wn = WGR >= 2 ? 0 : warp >> 2, wgr = WGR >= 2 ? warp >> 2 : 0;
+    const int chunks = TAIL64 ? (K + CHUNK - 1) / CHUNK : K / CHUNK, ngroups = K / G;
     const u32 smem_base = smem_u32(smem);
+    // chunks per group (groups of 64: 1, each lane quarter t reading inputs 32 t .. 32 t + 31 of every chunk takes
+    // its rows' coefficients from group 2 c + t / 2 for the whole chunk)
+    constexpr int CPG = G >= CHUNK ? G / CHUNK : 1;
+    static_assert(G >= CHUNK || OFFW, "groups of 64 need the offset in the weights");
     // this bitwidth's stage bytes, group sums' offset in a stage, stages and refill lag
     constexpr int QSB = QFIT ? (ACT_STAGE + Q * PL_STAGE + BM * 4 + 1023) / 1024 * 1024 : STAGE_BYTES;
     constexpr int QSUM = QFIT ? ACT_STAGE + Q * PL_STAGE : SUM_OFF;
@@ -327,14 +374,14 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 
 #pragma unroll
     for (int st = PERSIST ? issued : 0; st < NST - LQ; ++st) issue(st);  // PERSIST: chunks < issued are in flight
-    load_raw(0);
+    load_raw(G >= CHUNK ? 0 : t >> 1);
     u32 diag_sink = 0;  // DIAG 2: the fragments' consumer, so their loads and decode remain
 
     for (int c = 0; c < chunks; ++c) {
 #if WGMMA && !(DIAG & 16)
         if constexpr (LQ == 1) wg_wait<0>();  // the previous chunk's MMAs read the slot this iteration refills
 #endif
-        if (c % (G / CHUNK) == 0) {  // a new group: this lane's row coefficients, then the next group's loads
+        if (c % CPG == 0) {  // a new group: this lane's row coefficients, then the next group's loads
 #pragma unroll
             for (int a = 0; a < TPW; ++a)
 #pragma unroll
@@ -344,11 +391,11 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
                     z2[a][h] = splat(centred_offset<Q>(h2f(raw[a][h][0]), h2f(raw[a][h][1])));
 #endif
                 }
-            load_raw(c / (G / CHUNK) + 1);
+            load_raw(G >= CHUNK ? c / CPG + 1 : 2 * (c + 1) + (t >> 1));
         }
         cp_async_wait<NST - 1 - LQ>();
         __syncthreads();
-        issue(c + NST - LQ);  // into the slot of chunk c - LQ, which every thread and MMA has finished
+        if (COPY_STEP < 0) issue(c + NST - LQ);  // into the slot of chunk c - LQ, which every thread and MMA has finished
         const u32 sb = smem_base + (u32)(((c + S0) % NST) * QSB);
 
         // codes of this lane's rows: [tile][row g / g + 8][word j]
@@ -396,6 +443,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
                 // no MMA: the fragments feed the sink instead
 #pragma unroll
                 for (int a = 0; a < TPW; ++a) diag_sink ^= af[a][0] ^ af[a][1] ^ af[a][2] ^ af[a][3];
+                if (COPY_STEP == 2 * j + e0 / 2) issue(c + NST - LQ);
 #elif WGMMA
                 // pieces (j, e0), (j, e0 + 1) of this warpgroup's NPW pairs: 32 bytes into the atom's rows (the
                 // hardware applies the swizzle to the address), 8-row groups 1024 bytes apart
@@ -404,15 +452,20 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
                 wg_fence();
 #if NPW == 128
                 wgmma_m64n128k16(acc[0], af[0], desc);
+#if TPW == 2
                 wgmma_m64n128k16(acc[1], af[1], desc);
+#endif
 #elif NPW == 256
                 wgmma_m64n256k16(acc[0], af[0], desc);
 #else
                 wgmma_m64n64k16(acc[0], af[0], desc);
+#if TPW == 2
                 wgmma_m64n64k16(acc[1], af[1], desc);
 #endif
+#endif
                 wg_commit();
-                wg_wait<1>();  // the A registers of the step before are free again
+                if (COPY_STEP == 2 * j + e0 / 2) issue(c + NST - LQ);  // behind this step's MMAs
+                wg_wait<MMA_DEPTH>();  // the A registers of the step MMA_DEPTH before are free again
 #else
                 u32 bf[8][2];
 #pragma unroll
@@ -429,7 +482,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
 #endif
             }
         }
-        if (!OFFW && !(DIAG & 8) && (c + 1) % (G / CHUNK) == 0) {  // the group's offsets: y += z S
+        if (!OFFW && !(DIAG & 8) && (c + 1) % CPG == 0) {  // the group's offsets: y += z S
 #if WGMMA
             wg_wait<0>();
 #endif
@@ -461,7 +514,7 @@ __device__ __forceinline__ void epilogue(float (*acc)[NPW / 8][4], unsigned char
                                          float* acc_out, int topk, int n_out, int apply_w_in, int g_out) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int wr = warp & 3, wn = WGR == 2 ? 0 : warp >> 2, wgr = WGR == 2 ? warp >> 2 : 0;
+    const int wr = warp & 3, wn = WGR >= 2 ? 0 : warp >> 2, wgr = WGR >= 2 ? warp >> 2 : 0;
 #if MODE == 0
     // act = gate_act(gate) * up for (n, pair) into a [BM][BROWS / 2] tile in shared memory (the pipeline is
     // drained) ...
@@ -513,7 +566,10 @@ __device__ __forceinline__ void epilogue(float (*acc)[NPW / 8][4], unsigned char
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ap_grouped_gemm(
+// two blocks per SM for 128 x 64 in two warpgroups (its stages take under half of the shared memory)
+#define MIN_BLOCKS (TPW == 1 && WN == 1 ? 2 : 1)
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) ap_grouped_gemm(
     const u16* x, const float* xs, const long long* page_table, const float* topk_weights, const int* sorted_ids,
     const int* expert_ids, const int* post_pad, u16* act_out, float* xs_out, float* acc_out, int num_pairs,
     int topk, int n_out, int n_table, int K, int apply_w_in, int num_experts, int pt_stride, int g_out,

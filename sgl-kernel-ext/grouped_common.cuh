@@ -18,6 +18,11 @@ __device__ __forceinline__ u32 splat(float f) {  // both halves = f in the compu
     return h | (h << 16);
 }
 
+#ifndef TAIL64
+#define TAIL64 0  // the intermediate size is an odd multiple of 64 (cuda_grouped_gemm.cu)
+#endif
+// elements per row of w2's input ([pairs, I]): I, or with TAIL64 I rounded up to whole chunks of 128
+#define ROW_STRIDE(n) (TAIL64 ? ((n) + 127) / 128 * 128 : (n))
 #ifndef L2PF
 #define L2PF 0  // L2 prefetch size of the 16-byte copies: 0 (none), 128 or 256 bytes
 #endif
@@ -211,7 +216,7 @@ __device__ __forceinline__ void store_w2_input(const u16* tile, const int* slot_
         for (int d = 8; d > 0; d >>= 1) part += __shfl_xor_sync(0xffffffffu, part, d);
         const int p = slot_pair[slot];
         if (p >= 0) {
-            u16* dst = act_out + (long long)p * n_out + (n0 >> 7) * CHUNK + piece * 8 + 4 * half;
+            u16* dst = act_out + (long long)p * ROW_STRIDE(n_out) + (n0 >> 7) * CHUNK + piece * 8 + 4 * half;
             if constexpr (OUTS == 64) {
                 *(uint2*)dst = make_uint2((u32)v[0] | ((u32)v[1] << 16), (u32)v[2] | ((u32)v[3] << 16));
             } else {

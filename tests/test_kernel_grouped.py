@@ -30,6 +30,7 @@ from pagedweight.kernels.cuda_grouped import (
     default_grouped_config,
     gemm_arch,
     gemm_defines,
+    grouped_layer_config,
     grouped_moe_unsupported,
     grouped_unsupported,
     prebuild_grouped,
@@ -73,12 +74,22 @@ W256_U4_CONFIGS = W256_CONFIGS[:3]
 PERSIST_CONFIGS = (GroupedConfig(2, 3, rows=256, red_v4=True, persistent=True),
                    GroupedConfig(2, 3, rows=256, red_v4=True, offset_in_weights=True, refill_lag=2, persistent=True),
                    GroupedConfig(1, 3, persistent=True), GroupedConfig(1, 2, wgmma=False, persistent=True))
+# where each chunk's refill copies go among its k16 steps, two steps of MMAs in flight, and 64 rows per warpgroup, on
+# the 256 x 128 default (four warpgroups also with the fp32 offset pass at three stages) and on 128 x 64 (two)
+_SERVED_R256 = dict(rows=256, red_v4=True, offset_in_weights=True, refill_lag=2)
+SCHED_CONFIGS = (GroupedConfig(2, 4, **_SERVED_R256, copy_step=3), GroupedConfig(2, 4, **_SERVED_R256, mma_depth=2),
+                 GroupedConfig(2, 4, **_SERVED_R256, copy_step=3, mma_depth=2),
+                 GroupedConfig(2, 4, **_SERVED_R256, row_warpgroups=4),
+                 GroupedConfig(2, 4, **_SERVED_R256, row_warpgroups=4, copy_step=2),
+                 GroupedConfig(2, 3, rows=256, row_warpgroups=4), GroupedConfig(1, 3, copy_step=1),
+                 GroupedConfig(1, 3, row_warpgroups=2),
+                 GroupedConfig(1, 4, row_warpgroups=2, offset_in_weights=True, refill_lag=2, copy_step=2))
 # the GPU correctness cases per family (`-k "moe_matches and w256"` runs one)
 CONFIG_GROUPS = {
     "base": (GroupedConfig(1, 2), GroupedConfig(2, 3), GroupedConfig(2, 4), GroupedConfig(1, 3, wgmma=False),
              GroupedConfig(2, 2, wgmma=False)),
     "ws": WS_CONFIGS, "r256": R256_CONFIGS, "ow": OW_CONFIGS, "lag": LAG_CONFIGS,
-    "w256": W256_CONFIGS, "persist": PERSIST_CONFIGS,
+    "w256": W256_CONFIGS, "persist": PERSIST_CONFIGS, "sched": SCHED_CONFIGS,
 }
 
 
@@ -266,6 +277,38 @@ def test_diag_knob_leaves_out_what_it_names():
     assert no_mma["HGMMA"] == 0 and no_mma["LDSM"] == served["LDSM"] and no_mma["HFMA2"] >= served["HFMA2"]
 
 
+@pytest.mark.parametrize("cfg", [GroupedConfig(2, 4, **_SERVED_R256), *SCHED_CONFIGS[:4], *SCHED_CONFIGS[-2:]],
+                         ids=["served", "copy_step3", "depth2", "copy_step3_depth2", "four_warpgroups",
+                              "r128_two_warpgroups", "r128_two_warpgroups_copy_step2"])
+def test_wgmma_steps_stay_asynchronous(cfg):
+    """ptxas keeps the k16 steps' MMAs in flight (one wait for MMA_DEPTH steps back per step) rather than serializing
+    every wgmma, which it does silently (no warning in NVRTC's log) for some placements of the refill copies
+    (copy_step 0, or 1 with two steps in flight: then every step's wait is a full drain)."""
+    sass = sass_of(compile_to_cubin(gemm_defines(0, cfg, 4, 128, 0), "90a"))
+    steps = 4 * 8  # 4 bitwidths x 8 k16 steps
+    waits = collections.Counter(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)", sass))
+    assert sass.count("HGMMA") == steps * (1 if cfg.split_rows else 2)  # one wgmma per 64-row tile
+    # full drains: at most three per bitwidth (before a lag-1 refill, the fp32 offset pass, after the mainloop)
+    assert waits[str(cfg.mma_depth)] == steps and waits["0"] <= 3 * 4, dict(waits)
+    assert sass.count("WARPGROUP.ARRIVE") == steps
+
+
+def test_sched_knobs_are_checked():
+    with pytest.raises(ValueError, match="copy_step"):
+        GroupedConfig(2, 4, **_SERVED_R256, copy_step=0)
+    with pytest.raises(ValueError, match="copy_step"):
+        GroupedConfig(2, 3, ws=True, copy_step=3)
+    with pytest.raises(ValueError, match="mma_depth"):
+        GroupedConfig(1, 3, wgmma=False, mma_depth=2)
+    with pytest.raises(ValueError, match="row_warpgroups=4"):
+        GroupedConfig(1, 3, row_warpgroups=4)
+    with pytest.raises(ValueError, match="row_warpgroups=2"):
+        GroupedConfig(1, 3, wgmma=False, row_warpgroups=2)
+    assert GroupedConfig(2, 4, rows=256, row_warpgroups=4).threads == 512
+    assert GroupedConfig(1, 3, row_warpgroups=2).threads == 256 and GroupedConfig(1, 3).threads == 128
+    assert GroupedConfig(2, 4, rows=256) == GroupedConfig(2, 4, rows=256, row_warpgroups=2)  # the usual form resolved
+
+
 @pytest.mark.parametrize("cfg", [GroupedConfig(2, 3, rows=256), GroupedConfig(2, 3, rows=256, red_v4=True),
                                  GroupedConfig(1, 3), GroupedConfig(4, 3, red_v4=True)],
                          ids=["r256", "r256_red_v4", "r128_wn1", "w256_red_v4"])
@@ -380,8 +423,9 @@ def test_l2_prefetch_hint_reaches_both_grouped_kernels():
 
 def test_configs_and_refusals():
     # 256 rows x 128 pairs from 128 pairs per expert, 128 rows x 64 pairs below
-    assert default_grouped_config(2048, 2, 8) == GroupedConfig(wn=2, stages=4, rows=256, red_v4=True,
-                                                               offset_in_weights=True, refill_lag=2)
+    assert default_grouped_config(2048, 2, 8) == GroupedConfig(wn=2, stages=4, rows=256, row_warpgroups=4, red_v4=True,
+                                                               offset_in_weights=True, refill_lag=2, copy_step=2)
+    assert default_grouped_config(2048, 2, 8).threads == 512
     assert default_grouped_config(2048, 8, 128).rows == 256 and default_grouped_config(512, 2, 8).rows == 256
     assert default_grouped_config(256, 8, 128) == GroupedConfig(wn=1, stages=3) == default_grouped_config(256, 2, 8)
     assert GroupedConfig(wn=2, stages=3).shared_bytes(8) == 3 * 49 * 1024 + 1024  # 48.5 KB stages, 1 KB aligned
@@ -452,8 +496,8 @@ def test_configs_and_refusals():
     w2 = random_ap_projection(4, 256, 384, [4] * 4, table_kind="ubcq", bits_min=4).weights
     assert "CUDA" in grouped_unsupported(w13)
     bcq = random_ap_projection(1, 64, 256, [4], table_kind="bcq", bits_min=4).weights
-    g64 = random_ap_projection(1, 64, 256, [4], table_kind="ubcq", group_size=64, bits_min=4).weights
-    assert "ubcq" in grouped_unsupported(bcq) and "multiple of 128" in grouped_unsupported(g64)
+    g32 = random_ap_projection(1, 64, 256, [4], table_kind="ubcq", group_size=32, bits_min=4).weights
+    assert "ubcq" in grouped_unsupported(bcq) and "neither 64 nor a multiple of 128" in grouped_unsupported(g32)
     assert "CUDA" in grouped_moe_unsupported(w13, w2)
     x = torch.randn(3, 256)
     tw, ids = torch.rand(3, 2), torch.randint(0, 4, (3, 2))
@@ -461,6 +505,32 @@ def test_configs_and_refusals():
         ap_fused_moe(x, tw, ids, w13, w2, kernel="grouped")
     with pytest.raises(ValueError, match="MoE layer"):
         ap_linear(x, w13, kernel="grouped")
+
+
+def test_tail64_layers_take_the_offset_in_the_weights_and_their_own_kernels():
+    """An intermediate size that is an odd multiple of 64 (Qwen1.5-MoE's TP-2 shard, 704) reads w2's groups of 64 with
+    the offset in the weights on the plain launch: a default config takes it on, an explicit one without it is refused
+    naming the fix; its kernels build with -DTAIL64 (the others' defines, hence their cubins, are unchanged), and the
+    kernel itself refuses groups of 64 without the offset in the weights."""
+    w2 = random_ap_projection(2, 256, 320, [4] * 2, table_kind="ubcq", group_size=64, bits_min=4).weights
+    w2_128 = random_ap_projection(2, 256, 384, [4] * 2, table_kind="ubcq", bits_min=4).weights
+    assert grouped_layer_config(GroupedConfig(1, 3), w2, explicit=False) == GroupedConfig(1, 3, offset_in_weights=True)
+    served = default_grouped_config(2048, 2, 8)
+    assert grouped_layer_config(served, w2, explicit=True) == served  # the default already has it
+    assert grouped_layer_config(GroupedConfig(1, 3), w2_128, explicit=True) == GroupedConfig(1, 3)
+    for bad in (GroupedConfig(1, 3), GroupedConfig(2, 3, ws=True), GroupedConfig(1, 3, offset_in_weights=True,
+                                                                                  persistent=True)):
+        with pytest.raises(ValueError, match="offset_in_weights=True, persistent=False, ws=False"):
+            grouped_layer_config(bad, w2, explicit=True)
+    with pytest.raises(ValueError, match="plain single-role launch"):
+        gemm_defines(1, GroupedConfig(1, 3, offset_in_weights=True, persistent=True), 4, 64, 0, tail64=True)
+    assert "-DTAIL64=1" in gemm_defines(1, served, 4, 64, 0, tail64=True)
+    assert not any("TAIL64" in d for d in gemm_defines(1, served, 4, 128, 0))
+    cubins = [compile_to_cubin(gemm_defines(mode, cfg, 4, 64 if mode else 128, 0, tail64=True), "90a")
+              for cfg in (served, GroupedConfig(1, 3, offset_in_weights=True)) for mode in (0, 1)]
+    assert_cubins(cubins)
+    with pytest.raises(RuntimeError, match="groups of 64|multiple of 128"):
+        compile_to_cubin(gemm_defines(1, GroupedConfig(1, 3), 4, 64, 0, tail64=True), "90a")
 
 
 # ---------------------------------------------------------------- CUDA: correctness
@@ -511,6 +581,30 @@ def test_moe_group_sizes_and_real_intermediate(group, inter):
         assert rel_err(ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel="grouped"), ref) < 2e-2
         for cfg in (*WS_MAIN, *R256_MAIN):
             assert rel_err(ap_fused_moe_grouped(x, tw, ids, p13.weights, p2.weights, config=cfg), ref) < 2e-2, cfg
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [40, 700])
+def test_moe_intermediate_odd_multiple_of_64(m):
+    """Intermediate 320 (five groups of 64: w2 reads two and a half chunks, w13's last 256-row block holds 64 outputs),
+    like Qwen1.5-MoE's TP-2 shard (704): the defaults (both block shapes, by m), four warpgroups and two, and 128 x 64
+    with the offset in the weights, every bitwidth mixed, against the reference."""
+    p13 = random_ap_projection(8, 2 * 320, 640, [1 + e for e in range(8)], table_kind="ubcq", bits_min=1, seed=m,
+                               device="cuda")
+    p2 = random_ap_projection(8, 640, 320, [8 - e for e in range(8)], table_kind="ubcq", group_size=64, bits_min=1,
+                              seed=m + 1, device="cuda")
+    assert grouped_moe_unsupported(p13.weights, p2.weights) is None
+    tw, ids = routing(m, 8, 2, "random", seed=m)
+    x = torch.randn(m, 640, device="cuda", dtype=torch.bfloat16)
+    ref = ap_fused_moe_reference(x.float(), tw, ids, p13.weights, p2.weights)
+    assert rel_err(ap_fused_moe(x, tw, ids, p13.weights, p2.weights, kernel="grouped"), ref) < 2e-2
+    for cfg in (GroupedConfig(2, 4, **_SERVED_R256, row_warpgroups=4, copy_step=2), GroupedConfig(2, 4, **_SERVED_R256),
+                GroupedConfig(1, 3, offset_in_weights=True), GroupedConfig(1, 3, row_warpgroups=2,
+                                                                          offset_in_weights=True)):
+        out = ap_fused_moe_grouped(x, tw, ids, p13.weights, p2.weights, config=cfg)
+        assert rel_err(out, ref) < 2e-2, cfg
+    with pytest.raises(ValueError, match="offset_in_weights=True"):
+        ap_fused_moe_grouped(x, tw, ids, p13.weights, p2.weights, config=GroupedConfig(1, 3))
 
 
 @needs_cuda

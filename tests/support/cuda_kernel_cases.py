@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -36,8 +37,11 @@ def ptxas_report(source: Path, name: str, compute_capability: str, defines: list
     from pagedweight.kernels.nvrtc import source_text
 
     lib = _get_gpu_rtc_library()
+    # a define no source reads, unique per call: an identical program may come from a compile cache with no ptxas
+    # log (seen on the GPU machine: the second identical build's log was empty)
+    nonce = f"-DPTXAS_REPORT_NONCE={uuid.uuid4().int & 0xFFFFFFFF}"
     opts = [f"--gpu-architecture=sm_{compute_capability}", *(f"-I{p}" for p in include_paths("cuda")), *defines,
-            "--ptxas-options=-v"]
+            nonce, "--ptxas-options=-v"]
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), source_text(source).encode(), f"{name}.cu".encode(), 0, None,
                                   None) == 0
@@ -52,7 +56,11 @@ def ptxas_report(source: Path, name: str, compute_capability: str, defines: list
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
     if res != 0:
         raise RuntimeError(f"{name}: NVRTC build failed:\n{log.value.decode()}")
-    return log.value.decode()
+    text = log.value.decode()
+    if f"entry function '{name}'" not in text:
+        raise RuntimeError(f"{name}: NVRTC built it but its log has no ptxas report ({len(text)} characters): "
+                           f"{text[:300]!r}")
+    return text
 
 
 def assert_cubins(cubins: list[bytes]) -> None:
