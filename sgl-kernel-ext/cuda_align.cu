@@ -7,12 +7,17 @@
 // time: lanes holding the same expert (match.any) take consecutive slots after the warp's running rank, so the
 // order inside an expert is the pair order (stable), as in the torch version. Work is O(pairs / 1024 + experts)
 // per thread, against the single-program Triton version's O(pairs * experts / 128).
+// Pass 1 issues UNROLL loads per lane before it counts them (a lane's loads are otherwise one global latency each)
+// and keeps every pair's expert in shared memory (int16, where `stash_cap` pairs fit), so pass 2, a dependent chain
+// per 32 pairs, reads shared memory instead of global.
+
+#define UNROLL 8
 
 #define NW 32
 
 extern "C" __global__ void __launch_bounds__(1024) ap_moe_align(
     const void* ids, int ids_64, int* sorted_ids, int* expert_ids, int* post_pad, int num_pairs, int num_experts,
-    int block_size, int max_padded, int max_blocks) {
+    int block_size, int max_padded, int max_blocks, int stash_cap) {
     extern __shared__ int sm[];
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // A kernel launched after this one as a programmatic dependent (the fold MoE's prep) may launch now: it waits for
@@ -22,6 +27,8 @@ extern "C" __global__ void __launch_bounds__(1024) ap_moe_align(
     int* hist = sm;                          // [NW][E]: counts, then each warp's first rank per expert
     int* seg = sm + NW * num_experts;        // [E + 1]: padded segment starts (seg[E] = total)
     int* scan = seg + num_experts + 1;       // [1024]: scan scratch
+    short* stash = (short*)(scan + 1024);    // [num_pairs]: each pair's expert (-1: none), where they fit
+    const bool stashed = num_pairs <= stash_cap;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int per = ((num_pairs + NW * 32 - 1) / (NW * 32)) * 32;
     const int begin = warp * per, end = min(num_pairs, begin + per);
@@ -31,9 +38,15 @@ extern "C" __global__ void __launch_bounds__(1024) ap_moe_align(
     };
     for (int i = tid; i < NW * num_experts; i += 1024) hist[i] = 0;
     __syncthreads();
-    for (int i = begin + lane; i < end; i += 32) {
-        const int e = expert_of(i);
-        if (e >= 0) atomicAdd(&hist[warp * num_experts + e], 1);
+    for (int i0 = begin + lane; i0 < end; i0 += 32 * UNROLL) {
+        int ev[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) ev[u] = i0 + 32 * u < end ? expert_of(i0 + 32 * u) : -1;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (ev[u] >= 0) atomicAdd(&hist[warp * num_experts + ev[u]], 1);
+            if (stashed && i0 + 32 * u < end) stash[i0 + 32 * u] = (short)ev[u];
+        }
     }
     __syncthreads();
     // per expert: exclusive scan over the warps, the total, the padded size
@@ -84,7 +97,7 @@ extern "C" __global__ void __launch_bounds__(1024) ap_moe_align(
     // pass 2: stable scatter
     for (int base = begin; base < end; base += 32) {
         const int i = base + lane;
-        const int e = i < end ? expert_of(i) : -1;
+        const int e = i < end ? (stashed ? (int)stash[i] : expert_of(i)) : -1;
         const unsigned peers = __match_any_sync(0xffffffffu, e);
         const int rank = __popc(peers & ((1u << lane) - 1u));
         int first = 0;

@@ -36,6 +36,11 @@ BIG_CASES = [
     ("skewed_dropped", lambda g: torch.where(torch.rand(1000, 2, generator=g) < 0.1, -1,
                                              torch.randint(0, 3, (1000, 2), generator=g) * 3), 128, 10),
     ("int64_few_experts", lambda g: torch.randint(0, 8, (4096, 2), generator=g).long(), 128, 8),
+    # Qwen3-30B-A3B at 8192 tokens: 65536 pairs, every expert kept in the shared-memory stash
+    ("qwen3_8192_stashed", lambda g: torch.stack([torch.randperm(128, generator=g)[:8] for _ in range(8192)]), 128, 128),
+    # 1024 experts leave the stash ~46k pairs: 60000 read their experts from global memory again in the second pass
+    ("many_experts_past_the_stash", lambda g: torch.where(torch.rand(7500, 8, generator=g) < 0.05, -1,
+                                                          torch.randint(0, 1024, (7500, 8), generator=g)), 64, 1024),
 ]
 
 
