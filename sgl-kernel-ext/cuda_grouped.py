@@ -12,7 +12,7 @@ order with its group sums; zeroes the accumulators) + w13 (silu(gate) * up in it
 Device memory beyond the output: w13's input in the compute type ([M or M * topk, H]), w2's input ([M * topk,
 I]), float32 group sums and the float32 [M, H] accumulator; nothing proportional to the experts.
 
-Scope: CUDA, ubcq tables, group sizes multiples of 128 (w2: or 64, with the offset in the weights), hidden sizes
+Scope: CUDA, ubcq tables, group sizes multiples of 128 or 64 (with the offset in the weights), hidden sizes
 multiples of 128 (a 256-row block past the hidden size reads zero planes for the rows beyond it and stores nothing of
 them), intermediate sizes multiples of 64 (an odd multiple of 64 builds with -DTAIL64: cuda_grouped_gemm.cu).
 `grouped_moe_unsupported` says why a layer is not eligible.
@@ -210,20 +210,19 @@ def grouped_moe_unsupported(w13: APMoEWeights, w2: APMoEWeights) -> str | None:
         return f"the hidden size {w2.N} is not a multiple of {ROWS_PER_BLOCK}"
     if why is None and w2.K % TAIL_GROUP:
         return f"the intermediate size {w2.K} is not a multiple of {TAIL_GROUP}"
-    if why is None and w13.group_size < CHUNK:
-        return f"w13's group size {w13.group_size} (its input is the hidden size: groups of {CHUNK} or more)"
     return why
 
 
-def grouped_layer_config(cfg: GroupedConfig, w2: APMoEWeights, explicit: bool) -> GroupedConfig:
-    """`cfg` for this layer: w2 groups of 64 inputs need the offset in the weights on the plain launch (the fp32
-    offset pass sums whole chunks). A default config takes it on; an explicit one without it is refused."""
-    if w2.group_size >= CHUNK or (cfg.offset_in_weights and not cfg.persistent and not cfg.ws):
+def grouped_layer_config(cfg: GroupedConfig, w13: APMoEWeights, w2: APMoEWeights, explicit: bool) -> GroupedConfig:
+    """`cfg` for this layer: groups of 64 inputs (w13's or w2's) need the offset in the weights on the plain launch
+    (the fp32 offset pass sums whole chunks). A default config takes it on; an explicit one without it is refused."""
+    group = min(w13.group_size, w2.group_size)
+    if group >= CHUNK or (cfg.offset_in_weights and not cfg.persistent and not cfg.ws):
         return cfg
     if explicit:
-        raise ValueError(f"moe: the grouped kernel reads w2's groups of {w2.group_size} inputs only with the offset in "
-                         f"the weights on the plain launch: pass a GroupedConfig with offset_in_weights=True, "
-                         f"persistent=False, ws=False (got {cfg})")
+        raise ValueError(f"moe: the grouped kernel reads groups of {group} inputs only with the offset in the weights "
+                         f"on the plain launch: pass a GroupedConfig with offset_in_weights=True, persistent=False, "
+                         f"ws=False (got {cfg})")
     return dataclasses.replace(cfg, offset_in_weights=True)
 
 
@@ -260,7 +259,9 @@ def gemm_arch(cfg: GroupedConfig, compute_capability: str) -> str:
 
 
 def prep_defines(group_size: int, compute: int, x_dtype: torch.dtype) -> list[str]:
-    return ["-DMODE=0", f"-DG={group_size}", f"-DCT={compute}", f"-DXT={_DTYPE_CODE[x_dtype]}"]
+    # groups of 64: the GEMM that compiles alongside the prep in the same file needs the offset in the weights
+    return ["-DMODE=0", f"-DG={group_size}", f"-DCT={compute}", f"-DXT={_DTYPE_CODE[x_dtype]}",
+            *(["-DOFFW=1"] if group_size < CHUNK else [])]
 
 
 def compile_to_cubin(defines: list[str], compute_capability: str, name: str = "ap_grouped_gemm",
@@ -292,7 +293,7 @@ def prebuild_grouped(configs: list[GroupedConfig], w13: APMoEWeights, w2: APMoEW
             skipped.append(f"{cfg}: its stages do not fit one block's shared memory")
             continue
         try:
-            grouped_layer_config(cfg, w2, explicit=True)
+            grouped_layer_config(cfg, w13, w2, explicit=True)
         except ValueError as e:
             skipped.append(str(e))
             continue
@@ -333,7 +334,7 @@ def ap_fused_moe_grouped(
     m, topk = topk_ids.shape
     num_pairs = m * topk
     dev = hidden.device
-    cfg = grouped_layer_config(config or default_grouped_config(m, topk, w13.num_experts), w2, config is not None)
+    cfg = grouped_layer_config(config or default_grouped_config(m, topk, w13.num_experts), w13, w2, config is not None)
     x = hidden.contiguous()
     tw = topk_weights.contiguous().float()
     compute = compute_code(x.dtype)

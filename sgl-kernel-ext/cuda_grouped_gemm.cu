@@ -43,7 +43,7 @@
 #define PMAX 8
 #endif
 #ifndef G
-#define G 128  // group size, a multiple of 128
+#define G 128  // group size: a multiple of 128, or 64 (the GEMM then needs OFFW)
 #endif
 #ifndef CT
 #define CT 0  // activations and weights: 0 bf16, 1 fp16
@@ -120,8 +120,8 @@
 // pairs and an expert of up to 256 pairs is one token block)
 #define TPW 2
 #endif
-#if G % 128 && !(G == 64 && OFFW)
-#error "G must be a multiple of 128, or 64 with the offset in the weights (OFFW)"
+#if G % 128 && G != 64
+#error "G must be 64 (with the offset in the weights, OFFW) or a multiple of 128"
 #endif
 #if TAIL64 && (PERSIST || G % 64)
 #error "TAIL64 runs the plain launch (no PERSIST) with groups of 64 or more"
@@ -682,7 +682,7 @@ extern "C" __global__ void __launch_bounds__(256) ap_grouped_prep(const void* x,
         const int c = idx >> 4, piece = idx & 15;
         const int j = piece >> 2, e = piece & 3;
         u32 pk[4];
-        float part = 0.f;
+        float part = 0.f, part_hi = 0.f;  // groups of 64: the piece's inputs 0-63 (pos 0-3) and 64-127 (pos 4-7)
 #pragma unroll
         for (int pos = 0; pos < 8; pos += 2) {
             u16 hv[2];
@@ -690,12 +690,14 @@ extern "C" __global__ void __launch_bounds__(256) ap_grouped_prep(const void* x,
             for (int h = 0; h < 2; ++h) {
                 const int k = c * CHUNK + 32 * (pos >> 1) + 4 * (e + 4 * h) + j;
                 hv[h] = f2ct(load_x(x, row, ld, k) * wgt);
-                part += ct2f(hv[h]);
+                if (G < CHUNK && pos >= 4) part_hi += ct2f(hv[h]);
+                else part += ct2f(hv[h]);
             }
             pk[pos >> 1] = (u32)hv[0] | ((u32)hv[1] << 16);
         }
         *(uint4*)(xp + (long long)unit * K + idx * 8) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
         atomicAdd(&sums[(c * CHUNK) / G], part);
+        if (G < CHUNK) atomicAdd(&sums[(c * CHUNK) / G + 1], part_hi);
     }
     __syncthreads();
     for (int i = threadIdx.x; i < ngroups; i += 256) xs[(long long)unit * ngroups + i] = sums[i];

@@ -508,26 +508,33 @@ def test_configs_and_refusals():
 
 
 def test_tail64_layers_take_the_offset_in_the_weights_and_their_own_kernels():
-    """An intermediate size that is an odd multiple of 64 (Qwen1.5-MoE's TP-2 shard, 704) reads w2's groups of 64 with
-    the offset in the weights on the plain launch: a default config takes it on, an explicit one without it is refused
-    naming the fix; its kernels build with -DTAIL64 (the others' defines, hence their cubins, are unchanged), and the
-    kernel itself refuses groups of 64 without the offset in the weights."""
+    """Groups of 64 (an intermediate size that is an odd multiple of 64, Qwen1.5-MoE's TP-2 shard or Gemma-4's 704,
+    converted with --group-size 64) are read with the offset in the weights on the plain launch: a default config
+    takes it on, an explicit one without it is refused naming the fix; the 64-tail's kernels build with -DTAIL64 (the
+    others' defines, hence their cubins, are unchanged), the prep builds at groups of 64, and the GEMM itself refuses
+    groups of 64 without the offset in the weights."""
+    w13 = random_ap_projection(2, 640, 256, [4] * 2, table_kind="ubcq", bits_min=4).weights
+    w13_64 = random_ap_projection(2, 640, 256, [4] * 2, table_kind="ubcq", group_size=64, bits_min=4).weights
     w2 = random_ap_projection(2, 256, 320, [4] * 2, table_kind="ubcq", group_size=64, bits_min=4).weights
     w2_128 = random_ap_projection(2, 256, 384, [4] * 2, table_kind="ubcq", bits_min=4).weights
-    assert grouped_layer_config(GroupedConfig(1, 3), w2, explicit=False) == GroupedConfig(1, 3, offset_in_weights=True)
+    plain, with_ow = GroupedConfig(1, 3), GroupedConfig(1, 3, offset_in_weights=True)
+    assert grouped_layer_config(plain, w13, w2, explicit=False) == with_ow
+    assert grouped_layer_config(plain, w13_64, w2_128, explicit=False) == with_ow  # w13's groups of 64 too
     served = default_grouped_config(2048, 2, 8)
-    assert grouped_layer_config(served, w2, explicit=True) == served  # the default already has it
-    assert grouped_layer_config(GroupedConfig(1, 3), w2_128, explicit=True) == GroupedConfig(1, 3)
-    for bad in (GroupedConfig(1, 3), GroupedConfig(2, 3, ws=True), GroupedConfig(1, 3, offset_in_weights=True,
-                                                                                  persistent=True)):
+    assert grouped_layer_config(served, w13, w2, explicit=True) == served  # the default already has it
+    assert grouped_layer_config(plain, w13, w2_128, explicit=True) == plain
+    for bad in (plain, GroupedConfig(2, 3, ws=True), GroupedConfig(1, 3, offset_in_weights=True, persistent=True)):
         with pytest.raises(ValueError, match="offset_in_weights=True, persistent=False, ws=False"):
-            grouped_layer_config(bad, w2, explicit=True)
+            grouped_layer_config(bad, w13_64, w2, explicit=True)
+    assert "-DOFFW=1" in prep_defines(64, 0, torch.bfloat16) and "-DOFFW=1" not in prep_defines(128, 0, torch.bfloat16)
+    assert_cubins([compile_to_cubin(prep_defines(64, 0, torch.bfloat16), "90a", name="ap_grouped_prep")])
     with pytest.raises(ValueError, match="plain single-role launch"):
         gemm_defines(1, GroupedConfig(1, 3, offset_in_weights=True, persistent=True), 4, 64, 0, tail64=True)
     assert "-DTAIL64=1" in gemm_defines(1, served, 4, 64, 0, tail64=True)
     assert not any("TAIL64" in d for d in gemm_defines(1, served, 4, 128, 0))
-    cubins = [compile_to_cubin(gemm_defines(mode, cfg, 4, 64 if mode else 128, 0, tail64=True), "90a")
-              for cfg in (served, GroupedConfig(1, 3, offset_in_weights=True)) for mode in (0, 1)]
+    cubins = [compile_to_cubin(gemm_defines(mode, cfg, 4, group, 0, tail64=True), "90a")
+              for cfg in (served, GroupedConfig(1, 3, offset_in_weights=True)) for mode in (0, 1)
+              for group in ((64, 128) if mode == 0 else (64,))]
     assert_cubins(cubins)
     with pytest.raises(RuntimeError, match="groups of 64|multiple of 128"):
         compile_to_cubin(gemm_defines(1, GroupedConfig(1, 3), 4, 64, 0, tail64=True), "90a")
@@ -584,13 +591,14 @@ def test_moe_group_sizes_and_real_intermediate(group, inter):
 
 
 @needs_cuda
-@pytest.mark.parametrize("m", [40, 700])
-def test_moe_intermediate_odd_multiple_of_64(m):
+@pytest.mark.parametrize("m,group13", [(40, 128), (700, 128), (700, 64)])
+def test_moe_intermediate_odd_multiple_of_64(m, group13):
     """Intermediate 320 (five groups of 64: w2 reads two and a half chunks, w13's last 256-row block holds 64 outputs),
     like Qwen1.5-MoE's TP-2 shard (704): the defaults (both block shapes, by m), four warpgroups and two, and 128 x 64
-    with the offset in the weights, every bitwidth mixed, against the reference."""
-    p13 = random_ap_projection(8, 2 * 320, 640, [1 + e for e in range(8)], table_kind="ubcq", bits_min=1, seed=m,
-                               device="cuda")
+    with the offset in the weights, every bitwidth mixed, w13 in groups of 128 or (a --group-size 64 conversion) 64,
+    against the reference."""
+    p13 = random_ap_projection(8, 2 * 320, 640, [1 + e for e in range(8)], table_kind="ubcq", group_size=group13,
+                               bits_min=1, seed=m, device="cuda")
     p2 = random_ap_projection(8, 640, 320, [8 - e for e in range(8)], table_kind="ubcq", group_size=64, bits_min=1,
                               seed=m + 1, device="cuda")
     assert grouped_moe_unsupported(p13.weights, p2.weights) is None
