@@ -338,7 +338,11 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
         for (int h = 0; h < 2; ++h) {
 #if MODE == 0
             const int n = (BROWS / 2) * row_tile + 8 * TILE(wgr, wr, a) + g;
+#if TAIL64
+            const int gr = n >= n_out ? 0 : h == 0 ? n : n_out + n;  // past the half row tile: any real row's table
+#else
             const int gr = h == 0 ? n : n_out + n;
+#endif
 #else
             const int r = BROWS * row_tile + 16 * TILE(wgr, wr, a) + 8 * h + g;
             const int gr = r < n_out ? r : n_out - 1;  // past N (never stored): any real row's table
