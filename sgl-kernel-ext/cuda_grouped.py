@@ -2,12 +2,13 @@
 (cuda_grouped_gemm.cu, NVRTC), so no expert is ever dequantized into a scratch.
 
 Each block multiplies 128 (or, `rows=256`, 256) weight rows by up to 64 * wn (token, slot) pairs of one expert on
-tensor cores (the 256 x 128 default as four warpgroups of 64 rows). The plane bytes, the activations and their group sums pass through a cp.async pipeline in shared
-memory; every weight pair of an mma fragment is built from the bit-transposed codes with one lop3 and one packed
-fma (c A in the compute type), and each group's offset enters in fp32 from the group's activation sum, or
-(`offset_in_weights`, in the 256 x 128 default) inside each weight, centred (docs/kernels.md, "The grouped kernel"). One call is the alignment + prep (w13's input in the kernel's chunk
-order with its group sums; zeroes the accumulators) + w13 (silu(gate) * up in its epilogue, written in w2's order)
-+ w2 (float32 atomics, routing weights applied) + one cast.
+tensor cores (the 256 x 128 default as four warpgroups of 64 rows). The plane bytes, the activations and their group
+sums pass through a cp.async pipeline in shared memory; every weight pair of an mma fragment is built from the
+bit-transposed codes with one lop3 and one packed fma (c A in the compute type), and each group's offset enters in fp32
+from the group's activation sum, or (`offset_in_weights`, in the 256 x 128 default) inside each weight, centred
+(docs/kernels.md, "The grouped kernel"). One call is the alignment + prep (w13's input in the kernel's chunk order
+with its group sums; zeroes the accumulators) + w13 (silu(gate) * up in its epilogue, written in w2's order) + w2
+(float32 atomics, routing weights applied) + one cast.
 
 Device memory beyond the output: w13's input in the compute type ([M or M * topk, H]), w2's input ([M * topk,
 I]), float32 group sums and the float32 [M, H] accumulator; nothing proportional to the experts.
@@ -34,7 +35,7 @@ from pagedweight.kernels.nvrtc import build_in_parallel, cached_kernel, compile_
 from pagedweight.kernels.weights import APMoEWeights
 
 CHUNK = 128
-TAIL_GROUP = 64  # w2's group size where the intermediate size is an odd multiple of 64 (TAIL64)
+TAIL_GROUP = 64  # the one group size under a chunk it reads (with the offset in the weights): a 704 intermediate
 ROWS_PER_BLOCK = 128  # weight rows of one block (w13: 64 gate rows and their up rows); GroupedConfig.rows
 _SOURCE = Path(__file__).with_name("cuda_grouped_gemm.cu")
 _WS_SOURCE = Path(__file__).with_name("cuda_grouped_ws.cu")

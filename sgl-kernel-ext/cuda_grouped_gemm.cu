@@ -133,7 +133,8 @@
 #error "TPW must be 1 or 2"
 #endif
 #if TPW == 1 && !((WN == 4 && WGR == 2) || (WN == 2 && WGR == 4) || (WN == 1 && WGR == 2))
-#error "TPW = 1 blocks: 128 x 256 (WN = 4, WGR = 2), 256 x 128 in four warpgroups (WN = 2, WGR = 4), 128 x 64 in two (WN = 1, WGR = 2)"
+// TPW = 1 blocks: 128 x 256 (WN = 4, WGR = 2), 256 x 128 in four warpgroups (WN = 2, WGR = 4), 128 x 64 in two
+#error "TPW = 1 needs WN = 4 and WGR = 2, WN = 2 and WGR = 4, or WN = 1 and WGR = 2"
 #endif
 #if TPW == 2 && (WN == 4 || WGR == 4)
 #error "TPW = 2 blocks have WN <= 2 and WGR <= 2"
