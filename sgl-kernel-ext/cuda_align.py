@@ -3,8 +3,8 @@
 The single-program Triton version (triton_align.py) does O(pairs * experts) work in one program: a few
 microseconds at decode sizes, but ~1 ms at 16k pairs over 128 experts (Qwen3-30B-A3B, 2048 tokens), more than
 the GEMMs it feeds. This one does O(pairs / 1024 + experts) per thread with the same output (align.py's
-contract, stable order inside an expert), graph-capturable, no host sync. It takes all of a block's shared memory:
-the tables, then each pair's expert kept for the second pass (up to ~100k pairs at 128 experts).
+contract, stable order inside an expert), graph-capturable, no host sync. Each pair's expert is kept in shared memory
+for the second pass: 48 KB where that fits, else all of a block's shared memory (up to ~100k pairs at 128 experts).
 """
 
 from __future__ import annotations
@@ -26,10 +26,15 @@ def table_bytes(num_experts: int) -> int:
     return (WARPS * num_experts + num_experts + 1 + 1024) * 4
 
 
-def shared_bytes(device: torch.device) -> int:
-    """All the shared memory one block of this device can take (227 KB on sm_90): the tables, then a stash of each
-    pair's expert (int16) in the rest. One size per device, so one cached kernel whatever the call's size."""
-    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+SMALL_SHARED = 48 * 1024  # shared memory a block gets without opting in
+
+
+def shared_bytes(num_experts: int, num_pairs: int, optin: int) -> int:
+    """The tables, then a stash of each pair's expert (int16). Two sizes, so two cached kernels whatever the call's
+    size: 48 KB where the stash fits it (decode and small prefills keep the default shared-memory carveout), else all
+    a block of this device can take (`optin`, 227 KB on sm_90)."""
+    small = max(SMALL_SHARED, table_bytes(num_experts))
+    return small if table_bytes(num_experts) + 2 * num_pairs <= small else optin
 
 
 def stash_capacity(num_experts: int, shared: int) -> int:
@@ -52,10 +57,11 @@ def moe_align_block_size_cuda(topk_ids: torch.Tensor, block_size: int, num_exper
     num_pairs = flat.numel()
     sorted_ids, expert_ids, post_pad, max_padded, max_blocks = alignment_buffers(num_pairs, num_experts, block_size,
                                                                                  flat.device)
-    smem = shared_bytes(flat.device)
-    if table_bytes(num_experts) > smem:
+    optin = torch.cuda.get_device_properties(flat.device).shared_memory_per_block_optin
+    if table_bytes(num_experts) > optin:
         raise ValueError(f"the CUDA alignment's tables for {num_experts} experts need {table_bytes(num_experts)} bytes "
-                         f"of shared memory, over the {smem} of one block on this GPU")
+                         f"of shared memory, over the {optin} of one block on this GPU")
+    smem = shared_bytes(num_experts, num_pairs, optin)
     kernel = cached_kernel(_SOURCE, "ap_moe_align", (), flat.device.index or 0, smem)
     kernel(grid=(1, 1, 1), block=(1024, 1, 1), shared_mem=smem,
            args=[flat, int(flat.dtype == torch.int64), sorted_ids, expert_ids, post_pad, num_pairs, num_experts,

@@ -89,6 +89,19 @@ def test_align_under_interpreter():
     run_under_interpreter(__file__)
 
 
+def test_cuda_align_shared_memory_sizes():
+    """Two sizes, so two cached kernels: 48 KB while the tables and a stash of every pair fit it (decode, small
+    prefills), else all the device allows; the stash then holds what is left, the rest read from global memory."""
+    from pagedweight.kernels.cuda_align import shared_bytes, stash_capacity, table_bytes
+
+    optin = 227 * 1024
+    assert shared_bytes(128, 64, optin) == shared_bytes(128, 13000, optin) == 48 * 1024
+    assert shared_bytes(128, 16384, optin) == shared_bytes(128, 65536, optin) == optin
+    assert stash_capacity(128, optin) >= 65536 and stash_capacity(128, 48 * 1024) >= 13000
+    assert table_bytes(1024) > 48 * 1024 and shared_bytes(1024, 8, optin) == optin  # the tables alone pass 48 KB
+    assert stash_capacity(1024, table_bytes(1024)) == 0 and 0 < stash_capacity(1024, optin) < 60000
+
+
 def test_cuda_align_compiles_for_sm90():
     from pagedweight.kernels.cuda_align import compile_to_cubin
 
