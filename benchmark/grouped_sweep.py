@@ -26,7 +26,7 @@ from pagedweight.kernels.cuda_grouped import (GroupedConfig, ap_fused_moe_groupe
 from pagedweight.kernels.testing import random_ap_projection
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_bench import GROUP, MODELS, case_bits, graph_time, make_routing  # noqa: E402
+from kernel_bench import MODELS, case_bits, graph_time, make_routing, shard_group  # noqa: E402
 
 
 def kernel_times(call) -> list[tuple[str, float]]:
@@ -95,8 +95,9 @@ def main() -> None:
     for mk in args.models.split(","):
         m = MODELS[mk]
         E, topk, H, I = m["E"], m["topk"], m["H"], m["I"]
-        p13 = random_ap_projection(E, 2 * I, H, [8] * E, table_kind="ubcq", group_size=GROUP, bits_min=2, seed=1, device=dev)
-        p2 = random_ap_projection(E, H, I, [8] * E, table_kind="ubcq", group_size=GROUP, bits_min=2, seed=2, device=dev)
+        group = shard_group(H, I)  # 64 on Qwen1.5-MoE's TP-2 shard (I = 704)
+        p13 = random_ap_projection(E, 2 * I, H, [8] * E, table_kind="ubcq", group_size=group, bits_min=2, seed=1, device=dev)
+        p2 = random_ap_projection(E, H, I, [8] * E, table_kind="ubcq", group_size=group, bits_min=2, seed=2, device=dev)
         for case in args.cases.split(","):
             w13, w2 = p13.recommit(case_bits(case, E, "w13")), p2.recommit(case_bits(case, E, "w2"))
             tb = time.time()
