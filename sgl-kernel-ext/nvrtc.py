@@ -35,13 +35,17 @@ def load_kernel(source: Path, name: str, defines: list[str], device_index: int, 
                                           nvcc_options=list(defines))
 
 
+# torch's launcher refuses 48 KB of dynamic shared memory and more unless the kernel's limit was raised first
+SHARED_OPTIN_FROM = 48 * 1024
+
+
 @functools.lru_cache(maxsize=None)
 def cached_kernel(source: Path, name: str, defines: tuple[str, ...], device_index: int, shared_bytes: int = 0,
                   compute_capability: str | None = None):
-    """load_kernel once per (source, kernel, variant, device) and process; `shared_bytes` above the default 48 KB
-    also raises the kernel's dynamic shared-memory limit."""
+    """load_kernel once per (source, kernel, variant, device) and process; `shared_bytes` of 48 KB or more also
+    raises the kernel's dynamic shared-memory limit (SHARED_OPTIN_FROM)."""
     kernel = load_kernel(source, name, list(defines), device_index, compute_capability)
-    if shared_bytes > 48 * 1024:
+    if shared_bytes >= SHARED_OPTIN_FROM:
         kernel.set_shared_memory_config(shared_bytes)
     return kernel
 

@@ -102,6 +102,27 @@ def test_cuda_align_shared_memory_sizes():
     assert stash_capacity(1024, table_bytes(1024)) == 0 and 0 < stash_capacity(1024, optin) < 60000
 
 
+def test_cuda_align_raises_the_shared_memory_limit_at_48_kb(monkeypatch):
+    """Both of the alignment's sizes (48 KB exactly, and the device's opt-in maximum) launch only once the kernel's
+    limit is raised: torch's launcher refuses 48 KB and up without it (session 34's GPU run of the 48 KB size)."""
+    from pagedweight.kernels import nvrtc
+    from pagedweight.kernels.cuda_align import _SOURCE, SMALL_SHARED, shared_bytes
+
+    raised = []
+
+    class Kernel:
+        def set_shared_memory_config(self, nbytes):
+            raised.append(nbytes)
+
+    monkeypatch.setattr(nvrtc, "load_kernel", lambda *args: Kernel())
+    for smem in (shared_bytes(128, 64, 227 * 1024), shared_bytes(128, 65536, 227 * 1024)):
+        nvrtc.cached_kernel.cache_clear()
+        nvrtc.cached_kernel(_SOURCE, "ap_moe_align", (), 0, smem)
+    nvrtc.cached_kernel.cache_clear()
+    nvrtc.cached_kernel(_SOURCE, "ap_moe_align", (), 0, 48 * 1024 - 16)  # under 48 KB: the default limit serves
+    assert raised == [SMALL_SHARED, 227 * 1024]
+
+
 def test_cuda_align_compiles_for_sm90():
     from pagedweight.kernels.cuda_align import compile_to_cubin
 
