@@ -308,7 +308,7 @@ def prebuild_grouped(configs: list[GroupedConfig], w13: APMoEWeights, w2: APMoEW
 # Pairs per expert from which the default block is 256 weight rows x 128 pairs (warpgroups along the rows, each
 # weight decoded once per block) instead of 128 rows x 64 pairs: 256 x 128 measured ahead from 128 pairs per expert,
 # 128 x 64 below (benchmark/grouped_sweep.py, docs/results/kernel.md session 28; not re-measured since the four
-# warpgroups of session 33).
+# warpgroups of session 33 and the two of session 34).
 ROWS256_MIN_PAIRS_PER_EXPERT = 128
 
 
@@ -318,12 +318,13 @@ def default_grouped_config(m: int, topk: int, num_experts: int) -> GroupedConfig
     with its centred group offset (offset_in_weights: no fp32 offset pass, so no drain of the MMAs at a group's end),
     refills the stage read two chunks ago (refill_lag=2: no drain before a refill), issues those copies after a
     chunk's third k16 step (copy_step=2) and runs four stages up to 4-bit blocks (three above), keeping two chunks of
-    copies in flight (docs/results/kernel.md, sessions 31-33)."""
+    copies in flight (docs/results/kernel.md, sessions 31-33). 128 x 64 runs as two warpgroups of 64 rows (256
+    threads, two blocks per SM; session 34)."""
     per_expert = m * topk / max(1, num_experts)
     if per_expert >= ROWS256_MIN_PAIRS_PER_EXPERT:
         return GroupedConfig(wn=2, stages=4, rows=256, row_warpgroups=4, red_v4=True, offset_in_weights=True,
                              refill_lag=2, copy_step=2)
-    return GroupedConfig(wn=1, stages=3)
+    return GroupedConfig(wn=1, stages=3, row_warpgroups=2)
 
 
 def ap_fused_moe_grouped(
