@@ -101,7 +101,7 @@ def moe_kernel_rules(m: int, topk: int, num_experts: int, intermediate: int) -> 
     cannot run (groups under 128, an intermediate size that is not a multiple of 128)."""
     fold = prefer_fold(m, topk, num_experts, intermediate)
     # the grouped kernel reads intermediate sizes that are odd multiples of 64 (-DTAIL64) when asked for by name or
-    # config; "auto" leaves them to the other paths until that form is measured on a GPU
+    # config; "auto" leaves them to the other paths until that form passes its GPU test and is measured there
     grouped = prefer_grouped(m, topk, num_experts) and intermediate % 128 == 0
     return (("fold", fold), ("mma", fold or prefer_mma(m, topk, num_experts)), ("lut", prefer_lut(m, topk, num_experts)),
             ("grouped", grouped))

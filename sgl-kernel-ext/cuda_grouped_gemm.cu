@@ -294,10 +294,17 @@ __device__ __forceinline__ void issue_chunk(const ChunkCopies& cc, const long lo
 #pragma unroll
     for (int i = 0; i < (QB * BROWS + NTHREADS - 1) / NTHREADS; ++i) {
         const int p = tid / BROWS + (NTHREADS / BROWS) * i;
-        if (p < q)
-            cp_async16(base + ACT_STAGE + p * PL_STAGE + cc.p_row * 16,
-                       (const unsigned char*)prow[2 + p] + cc.p_off + (long long)c * 16,
-                       half && cc.p_bytes ? 8u : cc.p_bytes);
+        if (p < q) {
+            const u32 dst = base + ACT_STAGE + p * PL_STAGE + cc.p_row * 16;
+            const unsigned char* src = (const unsigned char*)prow[2 + p] + cc.p_off + (long long)c * 16;
+            if (TAIL64 && MODE == 1) {  // w2's rows are K / 8 = 8 (mod 16) bytes long: every other one starts 8 bytes
+                                        // off a 16-byte boundary, which a 16-byte copy cannot read
+                cp_async8(dst, src, cc.p_bytes ? 8u : 0u);
+                cp_async8(dst + 8, src + 8, cc.p_bytes && !half ? 8u : 0u);
+            } else {
+                cp_async16(dst, src, half && cc.p_bytes ? 8u : cc.p_bytes);
+            }
+        }
     }
     if (!OFFW && tid < BM) cp_async4(base + sum_off + tid * 4, cc.s_src + (c * CHUNK) / G, cc.s_bytes);
 }

@@ -41,6 +41,10 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_byt
 #error "L2PF must be 0, 128 or 256"
 #endif
 }
+// 8 bytes: the plane rows of a K that is an odd multiple of 64 (K / 8 bytes, 8 mod 16) start 8-byte aligned only
+__device__ __forceinline__ void cp_async8(u32 dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
 __device__ __forceinline__ void cp_async4(u32 dst, const void* src, u32 src_bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }

@@ -541,6 +541,22 @@ def test_tail64_layers_take_the_offset_in_the_weights_and_their_own_kernels():
         compile_to_cubin(gemm_defines(1, GroupedConfig(1, 3), 4, 64, 0, tail64=True), "90a")
 
 
+def test_tail64_w2_copies_its_plane_rows_in_8_byte_halves():
+    """K = 64 (mod 128): w2's plane rows are K / 8 = 8 (mod 16) bytes long, so every other one starts 8 bytes off a
+    16-byte boundary, where a 16-byte cp.async reads the wrong bytes (session 34 on the GPU: every other output row
+    wrong). Its -DTAIL64 build copies each 16-byte plane piece as two 8-byte copies; the activations (rows padded to
+    whole chunks) keep their 16-byte copies."""
+    served = default_grouped_config(2048, 2, 8)
+    copies = {}
+    for tail in (False, True):
+        sass = sass_of(compile_to_cubin(gemm_defines(1, served, 4, 64, 0, tail64=tail), "90a"))
+        copies[tail] = collections.Counter(re.sub(r"\.(BYPASS|ZFILL)", "", c)
+                                           for c in re.findall(r"LDGSTS\.E[\w.]*", sass))
+    plain_planes = copies[False]["LDGSTS.E.128"] - copies[True]["LDGSTS.E.128"]
+    assert plain_planes > 0 and copies[False]["LDGSTS.E.64"] == 0
+    assert copies[True]["LDGSTS.E.64"] == 2 * plain_planes
+
+
 # ---------------------------------------------------------------- CUDA: correctness
 
 
