@@ -24,7 +24,7 @@
 #                                           # (grouped_diag.py: DIAG_MODELS, DIAG_M, DIAG_CONFIG, DIAGS) run first,
 #                                           # then "ncu" (grouped_ncu.py: NCU_MODEL, NCU_M, NCU_CONFIGS of sweep tags,
 #                                           # default the served 256 x 128 config and the session-32 one, with the
-#                                           # warps' stall reasons)
+#                                           # warps' stall reasons); GROUPED_TESTS_K narrows "tests" (pytest -k)
 #   bash benchmark/gpu_session.sh lutk      # CUDA LUT kernel: GPU tests + linear and MoE decode timings (no devicekit)
 #   bash benchmark/gpu_session.sh linear    # dense AP linear tests + benchmark/linear_bench.py (no devicekit needed)
 #   bash benchmark/gpu_session.sh serve     # server smoke test + bench_one_batch stock bf16 vs AP 4-bit experts vs
@@ -134,8 +134,9 @@ if [ "$stage" = grouped ]; then
     done
   fi
   if [[ "$parts" == *" tests "* ]]; then
+    # GROUPED_TESTS_K: a pytest -k expression (the two files in full take over 260 s on an H100)
     timeout "${GROUPED_TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_kernel_grouped.py \
-      tests/test_kernel_moe.py 2>&1 | tail -15 | tee "$OUT/gpu_tests_grouped.txt"
+      tests/test_kernel_moe.py ${GROUPED_TESTS_K:+-k "$GROUPED_TESTS_K"} 2>&1 | tail -15 | tee "$OUT/gpu_tests_grouped.txt"
   fi
   if [[ "$parts" == *" anchors "* ]]; then
     timeout 330 python3 "${ANCHORS:-.carry/bench/sglang_moe_anchors.py}" --out "$OUT/anchors_prefill.json" --ms "$ms" \
