@@ -32,7 +32,7 @@ from pagedweight.kernels.testing import random_ap_projection
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_bench import default_kernel, load_anchors, mix4_check  # noqa: E402
-from kernel_bench import GROUP, MODELS, ap_bytes, case_bits, graph_time, make_routing  # noqa: E402
+from kernel_bench import MODELS, ap_bytes, case_bits, graph_time, make_routing, shard_group  # noqa: E402
 
 HEADLINE_KEYS = ("prefill_speedup_vs_sglang_bf16_4bit", "prefill_speedup_vs_sglang_fp8_block128_4bit",
                  "prefill_speedup_vs_sglang_bf16_8bit", "prefill_mix4_time_vs_u4")
@@ -104,9 +104,7 @@ def main() -> None:
             break
         model = MODELS[mk]
         E, topk, H, I = model["E"], model["topk"], model["H"], model["I"]
-        group = GROUP
-        while H % group or I % group:
-            group //= 2
+        group = shard_group(H, I)
         p13 = random_ap_projection(E, 2 * I, H, [8] * E, table_kind="ubcq", group_size=group, bits_min=2, seed=1,
                                    device=dev)
         p2 = random_ap_projection(E, H, I, [8] * E, table_kind="ubcq", group_size=group, bits_min=2, seed=2,
