@@ -144,6 +144,10 @@ if [ "$stage" = grouped ]; then
   fi
   if [[ "$parts" == *" bench "* ]]; then
     anchors=(); [ -f "$OUT/anchors_prefill.json" ] && anchors=(--anchors-json "$OUT/anchors_prefill.json")
+    # SGLang bf16's own transient memory per call beside ours (needs the devicekit and .carry/bench)
+    stock_dir=$(dirname "${ANCHORS:-.carry/bench/sglang_moe_anchors.py}")
+    [ -f "$stock_dir/sglang_moe_baseline.py" ] && python3 -c "import sglang" 2>/dev/null \
+      && anchors+=(--stock-memory-dir "$stock_dir")
     timeout "${PB_TIMEOUT:-420}" python3 benchmark/prefill_bench.py "${anchors[@]}" --out "$OUT/prefill.json" --ms "$ms" \
       --models "${PB_MODELS:-qwen15moe,mixtral,qwen3moe,qwen15moe_tp2,mixtral_tp2,qwen3moe_tp2}" \
       --cases "${PB_CASES:-u4,u8,mix4}" --compare "${PB_COMPARE:-tiles}" --time-budget-s "${PB_BUDGET:-360}" 2>&1 | tail -120

@@ -8,7 +8,10 @@ per-expert bitwidths cycling kernel_bench.MIX_PATTERN, mean 4) and M: the defaul
 comparison in the same run, `--compare` kernels forced (default "tiles": the Triton path the default replaced, which
 dequantizes every expert into a scratch at these sizes). Timing as kernel_bench: the whole call in one CUDA graph,
 L2 flushed before each replay, median. Each row also records the call's transient device memory (peak allocated
-during one eager call minus what was allocated before it). `--anchors-json` is what
+during one eager call minus what was allocated before it) and, with `--stock-memory-dir` (the folder holding
+../shared/bench/sglang_moe_baseline.py, on a machine with SGLang), SGLang's bf16 fused_experts' transient memory at
+the same model and M, so the table can say how much more (or less) the AP path needs than what stock serving
+allocates for the same call (`extra_vs_stock_bf16_bytes`). `--anchors-json` is what
 ../shared/bench/sglang_moe_anchors.py wrote in the same device call; the headline holds the ratios issue #19 reads
 back: prefill_speedup_vs_sglang_bf16_4bit, prefill_speedup_vs_sglang_fp8_block128_4bit (time of SGLang / time of
 ours), plus prefill_speedup_vs_sglang_bf16_8bit and prefill_mix4_time_vs_u4. A correctness check per model (mix4,
@@ -68,6 +71,43 @@ def transient_bytes(call) -> int:
     return int(peak - before)
 
 
+def stock_transient_bytes(bench_dir: str, mk: str, ms: list[int], dev) -> dict[int, int]:
+    """{M: transient bytes} of SGLang's bf16 fused_experts on this model's shapes (its intermediate caches and output),
+    measured as transient_bytes measures ours; bf16 weights built and freed here."""
+    if bench_dir not in sys.path:
+        sys.path.insert(0, bench_dir)
+    import sglang_moe_baseline as sb
+
+    model = MODELS[mk]
+    rc = sb.runner_config(model)
+    sgl = sb.setup_sglang()
+    w = sb.build_weights("bf16", model["E"], model["H"], model["I"], dev, empty=True)
+    out = {}
+    for M in ms:
+        x = torch.randn((M, model["H"]), device=dev, dtype=torch.bfloat16)
+        tw, ids, logits = sb.make_routing(M, model["E"], model["topk"], model["renormalize"], M, dev)
+        topk_out = sgl["StandardTopKOutput"](tw, ids, logits)
+        call = sb.make_call(w, x, topk_out, rc)
+        call()  # the first call compiles; its caches are not the steady state's
+        out[M] = transient_bytes(call)
+        del x, tw, ids, logits, topk_out, call
+    del w
+    torch.cuda.empty_cache()
+    return out
+
+
+def memory_table(results: list[dict]) -> dict:
+    """{model: {M: {ours, stock_bf16, extra}}} in MiB for the default u4 call, where the stock side was measured."""
+    t: dict = {}
+    for r in results:
+        if r.get("variant") == "default" and r.get("case") == "u4" and "stock_bf16_transient_bytes" in r:
+            mib = lambda b: round(b / 2**20, 1)  # noqa: E731
+            t.setdefault(r["model"], {})[str(r["M"])] = dict(
+                ours_mib=mib(r["transient_bytes"]), stock_bf16_mib=mib(r["stock_bf16_transient_bytes"]),
+                extra_vs_stock_bf16_mib=mib(r["extra_vs_stock_bf16_bytes"]))
+    return t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -79,6 +119,8 @@ def main() -> None:
     ap.add_argument("--compare-max-m", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--time-budget-s", type=float, default=400.0)
+    ap.add_argument("--stock-memory-dir", default=None,
+                    help="folder with sglang_moe_baseline.py: also measure SGLang bf16's transient memory per M")
     args = ap.parse_args()
     t0 = time.time()
     dev = torch.device("cuda")
@@ -96,8 +138,8 @@ def main() -> None:
     def dump():
         meta["wall_s"] = round(time.time() - t0, 1)
         with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, headline=headline(results, anchors), results=results, correctness=checks,
-                           anchors=anchors), f, indent=1)
+            json.dump(dict(meta=meta, headline=headline(results, anchors), memory=memory_table(results),
+                           results=results, correctness=checks, anchors=anchors), f, indent=1)
 
     for mk in [m for m in args.models.split(",") if m]:
         if time.time() - t0 > args.time_budget_s:
@@ -105,6 +147,13 @@ def main() -> None:
         model = MODELS[mk]
         E, topk, H, I = model["E"], model["topk"], model["H"], model["I"]
         group = shard_group(H, I)
+        ms = [int(v) for v in args.ms.split(",") if v]
+        stock_mem: dict[int, int] = {}
+        if args.stock_memory_dir:
+            try:
+                stock_mem = stock_transient_bytes(args.stock_memory_dir, mk, ms, dev)
+            except Exception as e:
+                print(f"# {mk}: SGLang bf16 memory not measured: {type(e).__name__}: {e}"[:300], flush=True)
         p13 = random_ap_projection(E, 2 * I, H, [8] * E, table_kind="ubcq", group_size=group, bits_min=2, seed=1,
                                    device=dev)
         p2 = random_ap_projection(E, H, I, [8] * E, table_kind="ubcq", group_size=group, bits_min=2, seed=2,
@@ -112,7 +161,7 @@ def main() -> None:
         for case in [c for c in args.cases.split(",") if c]:
             b13, b2 = case_bits(case, E, "w13"), case_bits(case, E, "w2")
             w13, w2 = p13.recommit(b13), p2.recommit(b2)
-            for M in [int(v) for v in args.ms.split(",") if v]:
+            for M in ms:
                 if time.time() - t0 > args.time_budget_s:
                     break
                 x = torch.randn((M, H), device=dev, dtype=torch.bfloat16)
@@ -128,6 +177,9 @@ def main() -> None:
                     r = dict(base, variant=vname)
                     try:
                         r["transient_bytes"] = transient_bytes(lambda: ap_fused_moe(x, tw, ids, w13, w2, **kw))
+                        if M in stock_mem:
+                            r["stock_bf16_transient_bytes"] = stock_mem[M]
+                            r["extra_vs_stock_bf16_bytes"] = r["transient_bytes"] - stock_mem[M]
                         st = graph_time(lambda: ap_fused_moe(x, tw, ids, w13, w2, **kw), args.reps, flush)
                         r.update(us=st["median"], stats=st, status="ok")
                     except Exception as e:

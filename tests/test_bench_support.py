@@ -406,3 +406,22 @@ def test_grouped_sweep_reads_config_tags_and_counts_the_blocks_padding():
     ids = torch.tensor([[0, 1], [0, -1], [2, 1], [0, 1]])  # expert 0: 3 pairs, 1: 3, 2: 1
     assert sweep.block_fill(ids, 4, 2) == 7 / 10  # blocks of 2: 2 + 2 + 1
     assert sweep.block_fill(ids, 4, 4) == 7 / 12
+
+
+def test_prefill_bench_memory_table_is_ours_against_stock_bf16():
+    """prefill_bench's memory table: the default u4 call's transient MiB beside SGLang bf16's at the same model and M
+    (extra = ours - stock, negative where ours needs less); forced variants, other cases and rows without a stock
+    measurement stay out."""
+    pb = _load_script("prefill_bench")
+    mib = 2**20
+    rows = [
+        dict(model="qwen3moe", case="u4", M=8192, variant="default", transient_bytes=227 * mib,
+             stock_bf16_transient_bytes=576 * mib, extra_vs_stock_bf16_bytes=-349 * mib),
+        dict(model="qwen3moe", case="u4", M=256, variant="default", transient_bytes=10 * mib),
+        dict(model="qwen3moe", case="u4", M=8192, variant="tiles", transient_bytes=900 * mib,
+             stock_bf16_transient_bytes=576 * mib, extra_vs_stock_bf16_bytes=324 * mib),
+        dict(model="qwen3moe", case="u8", M=8192, variant="default", transient_bytes=227 * mib,
+             stock_bf16_transient_bytes=576 * mib, extra_vs_stock_bf16_bytes=-349 * mib),
+    ]
+    assert pb.memory_table(rows) == {"qwen3moe": {"8192": dict(ours_mib=227.0, stock_bf16_mib=576.0,
+                                                               extra_vs_stock_bf16_mib=-349.0)}}
