@@ -100,9 +100,7 @@ def moe_kernel_rules(m: int, topk: int, num_experts: int, intermediate: int) -> 
     first that wins and can run serves the call. The MMA kernel also takes the fold kernel's range, where fold
     cannot run (groups under 128, an intermediate size that is not a multiple of 128)."""
     fold = prefer_fold(m, topk, num_experts, intermediate)
-    # the grouped kernel reads intermediate sizes that are odd multiples of 64 (-DTAIL64) when asked for by name or
-    # config; "auto" leaves them to the other paths until that form passes its GPU test and is measured there
-    grouped = prefer_grouped(m, topk, num_experts) and intermediate % 128 == 0
+    grouped = prefer_grouped(m, topk, num_experts)  # intermediate sizes that are odd multiples of 64 too (-DTAIL64)
     return (("fold", fold), ("mma", fold or prefer_mma(m, topk, num_experts)), ("lut", prefer_lut(m, topk, num_experts)),
             ("grouped", grouped))
 

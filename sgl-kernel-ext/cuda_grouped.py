@@ -305,11 +305,10 @@ def prebuild_grouped(configs: list[GroupedConfig], w13: APMoEWeights, w2: APMoEW
     return skipped
 
 
-# Pairs per expert from which the default block is 256 weight rows x 128 pairs (warpgroups along the rows, each
-# weight decoded once per block) instead of 128 rows x 64 pairs: 256 x 128 measured ahead from 128 pairs per expert,
-# 128 x 64 below (benchmark/grouped_sweep.py, docs/results/kernel.md session 28; not re-measured since the four
-# warpgroups of session 33 and the two of session 34).
-ROWS256_MIN_PAIRS_PER_EXPERT = 128
+# Pairs per expert from which the default block is 256 weight rows x 128 pairs in four warpgroups (each weight
+# decoded once per block) instead of 128 rows x 64 pairs in two: the four-warpgroup block measured ahead from 64
+# pairs per expert, the two-warpgroup block up to 34 (benchmark/grouped_sweep.py, docs/results/kernel.md session 35).
+ROWS256_MIN_PAIRS_PER_EXPERT = 48
 
 
 def default_grouped_config(m: int, topk: int, num_experts: int) -> GroupedConfig:

@@ -422,13 +422,14 @@ def test_l2_prefetch_hint_reaches_both_grouped_kernels():
 
 
 def test_configs_and_refusals():
-    # 256 rows x 128 pairs from 128 pairs per expert (four warpgroups), 128 rows x 64 pairs below (two)
+    # 256 rows x 128 pairs from 48 pairs per expert (four warpgroups), 128 rows x 64 pairs below (two)
     assert default_grouped_config(2048, 2, 8) == GroupedConfig(wn=2, stages=4, rows=256, row_warpgroups=4, red_v4=True,
                                                                offset_in_weights=True, refill_lag=2, copy_step=2)
     assert default_grouped_config(2048, 2, 8).threads == 512
     assert default_grouped_config(2048, 8, 128).rows == 256 and default_grouped_config(512, 2, 8).rows == 256
+    assert default_grouped_config(1024, 8, 128).rows == 256 and default_grouped_config(192, 2, 8).rows == 256  # 64, 48
     small = GroupedConfig(wn=1, stages=3, row_warpgroups=2)
-    assert default_grouped_config(256, 8, 128) == small == default_grouped_config(256, 2, 8) and small.threads == 256
+    assert default_grouped_config(512, 8, 128) == small == default_grouped_config(188, 2, 8) and small.threads == 256
     assert GroupedConfig(wn=2, stages=3).shared_bytes(8) == 3 * 49 * 1024 + 1024  # 48.5 KB stages, 1 KB aligned
     with pytest.raises(ValueError, match="wn"):
         GroupedConfig(wn=3)
