@@ -2,9 +2,10 @@
 where they form act(gate) * up, and match the torch reference with activation="gelu".
 
 CPU (CI): every kernel that forms the activation builds its GELU variant for sm_90, and the SiLU variants keep their
-defines (their compiled kernels and caches are unchanged). GPU: each kernel forced, at a Gemma-4-like shape it takes
-(Gemma-4-26B-A4B's intermediate 704 needs the MMA kernel's half chunk and groups of 64) and at a fold/LUT/grouped one,
-against the reference; and a CUDA-graph replay across page-table rewrites with GELU.
+defines (their compiled kernels and caches are unchanged), the grouped kernel's at 704 too. GPU: each kernel forced,
+at a Gemma-4-like shape it takes (Gemma-4-26B-A4B's intermediate 704 needs the MMA kernel's half chunk and groups of
+64, and the grouped kernel's -DTAIL64, where its prefill runs) and at a fold/LUT/grouped one, against the reference;
+and a CUDA-graph replay across page-table rewrites with GELU.
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ def test_gelu_variants_compile_for_sm90():
     for cfg in (cuda_grouped.GroupedConfig(wn=1), cuda_grouped.GroupedConfig(wn=1, stages=3, ws=True)):
         jobs.append(functools.partial(cuda_grouped.compile_to_cubin, cuda_grouped.gemm_defines(0, cfg, 8, 128, 0) + GELU,
                                       cuda_grouped.gemm_arch(cfg, "90"), name=cfg.kernel_name, source=cfg.source))
+    # Gemma-4's 704 on both served block shapes: groups of 64 (the offset in the weights) and -DTAIL64
+    for cfg in (cuda_grouped.default_grouped_config(2048, 2, 8),
+                cuda_grouped.GroupedConfig(wn=1, stages=3, row_warpgroups=2, offset_in_weights=True)):
+        jobs.append(functools.partial(cuda_grouped.compile_to_cubin,
+                                      cuda_grouped.gemm_defines(0, cfg, 8, 64, 0, tail64=True) + GELU,
+                                      cuda_grouped.gemm_arch(cfg, "90"), name=cfg.kernel_name, source=cfg.source))
     assert_cubins(compile_in_parallel(jobs))
     assert "-DACT=1" in cuda_mma.prep_defines(1, torch.float32, "gelu")
     assert not any(d.startswith("-DACT") for d in cuda_mma.prep_defines(0, torch.bfloat16, "gelu"))  # w13's prep: no act
@@ -75,11 +82,14 @@ CASES = [
     ("fold", 512, 768, 128, (1, 5, 40)),
     ("lut", 512, 768, 128, (1, 5)),
     ("grouped", 512, 768, 128, (300,)),
+    # Gemma-4-26B-A4B's prefill: kernel="auto" routes its 704 (an odd multiple of 64: -DTAIL64) to the grouped kernel;
+    # m = 100 runs the 128 x 64 block (25 pairs per expert), m = 300 the 256 x 128 one (75)
+    ("grouped", 512, 704, 64, (100, 300)),
 ]
 
 
 @needs_cuda
-@pytest.mark.parametrize("kernel,hidden,inter,group,ms", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("kernel,hidden,inter,group,ms", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
 @pytest.mark.parametrize("apply_w_in", [False, True])
 def test_gelu_moe_matches_reference(kernel, hidden, inter, group, ms, apply_w_in):
     bits = [4, 3, 8, 2, 5, 4, 6, 4]
