@@ -118,10 +118,10 @@ def test_cuda_align_raises_the_shared_memory_limit_at_48_kb(monkeypatch):
     nvrtc.cached_kernel.cache_clear()
     try:
         for smem in (shared_bytes(128, 64, 227 * 1024), shared_bytes(128, 65536, 227 * 1024), 48 * 1024 - 16):
-            nvrtc.cached_kernel(_SOURCE, "ap_moe_align", (), 0, smem)  # under 48 KB: the default limit serves
+            nvrtc.cached_kernel(_SOURCE, "ap_moe_align", (), 0, smem)
     finally:
         nvrtc.cached_kernel.cache_clear()  # no fake kernel left for the GPU tests after this one
-    assert raised == [SMALL_SHARED, 227 * 1024]
+    assert raised == [SMALL_SHARED, 227 * 1024]  # nothing raised under 48 KB: the default limit serves
 
 
 def test_cuda_align_compiles_for_sm90():
