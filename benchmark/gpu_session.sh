@@ -49,6 +49,11 @@
 #                                           # bf16, stock --quantization fp8 (unit RMSNorm as PagedWeight sets them), PagedWeight
 #                                           # 4-bit experts and 4-bit scope all (E2E_SYSTEMS), then benchmark/summarize_e2e.py
 #                                           # into $OUT/e2e_decode.json (docs/results/e2e_decode.json's headline keys)
+#   bash benchmark/gpu_session.sh e2e_profile # where an end-to-end prefill's time goes: per model (E2EP_MODELS="qwen3moe",
+#                                           # name[:layers]) one bench_one_batch prefill (E2EP_BATCH, default 1, input 2048)
+#                                           # under the torch profiler per system (E2EP_SYSTEMS="bf16 ap4", as e2e), then
+#                                           # benchmark/trace_kernels.py: GPU kernel time by category and kernel, each
+#                                           # system against the first, per layer ($OUT/e2e_profile_<model>.json)
 #   bash benchmark/gpu_session.sh longbench # MoEfied SmolLM2 rebuilt from /tmp/sc (carried pieces), LongBench-format
 #                                           # work at one budget: stock bf16 vs uniform AP vs PagedWeight
 # Writes everything under $OUT (default out/gpu).
@@ -291,6 +296,17 @@ if [ "$stage" = models ]; then
     tar czf "$OUT/pressure_${name}_logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
   done
 fi
+# e2e systems: bench_one_batch's flags for one of them, in the array `extra`
+system_flags() {
+  case $1 in
+    bf16) extra=(--dummy-unit-norms) ;;
+    fp8) extra=(--dummy-unit-norms --quantization fp8) ;;
+    ap4) extra=(--enable-paged-weight --paged-weight-bits 4) ;;
+    ap4_all) extra=(--enable-paged-weight --paged-weight-bits 4 --paged-weight-scope all) ;;
+    *) echo "unknown E2E system $1 (bf16 fp8 ap4 ap4_all)"; exit 2 ;;
+  esac
+}
+
 if [ "$stage" = e2e ]; then
   # results gather in E2E_DIR (kept on a warm machine across calls: one model per call, its four systems together)
   e2e_dir=${E2E_DIR:-/tmp/e2e}; mkdir -p "$e2e_dir"
@@ -310,13 +326,7 @@ if [ "$stage" = e2e ]; then
     bench=(--batch-size "${batches[@]}" --input-len 2048 --output-len 64 --cuda-graph-max-bs 64
            --mem-fraction-static "${E2E_MEM_FRACTION:-$mem_default}" --warmup-every-batch)
     for sys in ${E2E_SYSTEMS:-bf16 fp8 ap4 ap4_all}; do
-      case $sys in
-        bf16) extra=(--dummy-unit-norms) ;;
-        fp8) extra=(--dummy-unit-norms --quantization fp8) ;;
-        ap4) extra=(--enable-paged-weight --paged-weight-bits 4) ;;
-        ap4_all) extra=(--enable-paged-weight --paged-weight-bits 4 --paged-weight-scope all) ;;
-        *) echo "unknown E2E system $sys (bf16 fp8 ap4 ap4_all)"; exit 2 ;;
-      esac
+      system_flags "$sys"
       timeout "${E2E_TIMEOUT:-240}" python3 benchmark/bench_one_batch.py "${common[@]}" "${bench[@]}" "${extra[@]}" \
         --result-filename "$e2e_dir/e2e_${tag}_${sys}.jsonl" >"$e2e_dir/e2e_${tag}_${sys}.log" 2>&1
       echo "== $tag $sys rc=$?"; grep -E "^Decode\.  median|^Prefill\. latency|Error" "$e2e_dir/e2e_${tag}_${sys}.log" | tail -8
@@ -325,6 +335,29 @@ if [ "$stage" = e2e ]; then
   cp "$e2e_dir"/e2e_* "$OUT"/
   python3 benchmark/summarize_e2e.py --dir "$e2e_dir" --merge docs/results/e2e_decode.json --out "$OUT/e2e_decode.json" \
     --meta "{\"commit\": \"$(git rev-parse --short HEAD 2>/dev/null || echo unknown)\", \"models\": \"${E2E_MODELS:-qwen15moe}\"}"
+fi
+if [ "$stage" = e2e_profile ]; then
+  for spec in ${E2EP_MODELS:-qwen3moe}; do
+    name=${spec%%:*}; layers=${spec#*:}; [ "$layers" = "$spec" ] && layers=""
+    tag=$name${layers:+_${layers}l}; model=/tmp/$tag-dummy; prof=/tmp/e2e_profile/$tag; mkdir -p "$prof"
+    python3 benchmark/dummy_model.py --model "$name" ${layers:+--num-layers "$layers"} --out $model >/dev/null
+    nl=$(python3 -c "import json,sys; c=json.load(open(sys.argv[1]+'/config.json')); print(c.get('text_config', c)['num_hidden_layers'])" $model)
+    gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+    mem=0.8; [ "${gpu_mib:-0}" -lt 100000 ] && mem=0.85
+    batch=${E2EP_BATCH:-1}; traces=()
+    for sys in ${E2EP_SYSTEMS:-bf16 ap4}; do
+      system_flags "$sys"
+      SGLANG_TORCH_PROFILER_DIR=$prof timeout "${E2EP_TIMEOUT:-240}" python3 benchmark/bench_one_batch.py \
+        --model-path $model --load-format dummy --attention-backend triton --sampling-backend pytorch \
+        --batch-size "$batch" --input-len 2048 --output-len 4 --cuda-graph-max-bs 64 --mem-fraction-static "$mem" \
+        --profile --profile-stage prefill --profile-prefix "$sys" "${extra[@]}" >"$prof/$sys.log" 2>&1
+      echo "== $tag $sys rc=$?"; grep -E "^Prefill\. latency|Error" "$prof/$sys.log" | tail -4
+      trace="$prof/${sys}_batch${batch}_input2048_output4_prefill.trace.json.gz"
+      [ -f "$trace" ] && traces+=(--trace "$sys=$trace")
+    done
+    [ ${#traces[@]} -gt 0 ] && python3 benchmark/trace_kernels.py "${traces[@]}" --layers "$nl" \
+      --out "$OUT/e2e_profile_${tag}_b${batch}.json" | head -60
+  done
 fi
 if [ "$stage" = pressure ]; then
   model=/tmp/qwen15moe-dummy

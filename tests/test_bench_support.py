@@ -147,11 +147,13 @@ def test_summarize_us_orders_the_times():
 
 def _load_script(name: str):
     import importlib.util
+    import sys
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmark" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"bench_script_{name}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve a script's string annotations through sys.modules
     spec.loader.exec_module(module)
     return module
 
@@ -425,3 +427,55 @@ def test_prefill_bench_memory_table_is_ours_against_stock_bf16():
     ]
     assert pb.memory_table(rows) == {"qwen3moe": {"8192": dict(ours_mib=227.0, stock_bf16_mib=576.0,
                                                                extra_vs_stock_bf16_mib=-349.0)}}
+
+
+def test_trace_kernels_sums_each_forward_by_category_against_the_first(tmp_path, capsys):
+    """trace_kernels.py: GPU kernel events (not CPU ops) summed by name and category from gzip and plain chrome
+    traces; the first trace is the baseline of every difference, per forward and per layer; a trace without GPU
+    kernels and a --trace without LABEL= are refused in one line."""
+    import gzip
+
+    tk = _load_script("trace_kernels")
+
+    def kernel(name, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "dur": dur, "ts": 0}
+
+    stock = [kernel("fused_moe_kernel", 300.0), kernel("fused_moe_kernel", 200.0),
+             kernel("moe_align_block_size_kernel", 10.0), kernel("_fwd_kernel", 120.0),
+             kernel("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT", 80.0), kernel("FusedAddRMSNormKernel", 6.0),
+             {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 999.0}]
+    ours = [kernel("ap_grouped_gemm", 400.0), kernel("ap_grouped_gemm", 260.0), kernel("ap_grouped_prep", 9.0),
+            kernel("ap_moe_align", 7.0), kernel("_fwd_kernel", 121.0),
+            kernel("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT", 80.0), kernel("FusedAddRMSNormKernel", 6.0),
+            kernel("void at::native::index_put_kernel", 3.0), kernel("mystery", 1.0)]
+    a = tmp_path / "stock.trace.json.gz"
+    with gzip.open(a, "wt") as f:
+        json.dump({"traceEvents": stock}, f)
+    b = tmp_path / "ours.trace.json"
+    b.write_text(json.dumps({"traceEvents": ours}))
+    out = tmp_path / "k.json"
+    assert tk.main(["--trace", f"bf16={a}", "--trace", f"ap4={b}", "--out", str(out), "--layers", "2",
+                    "--top", "3"]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["baseline"] == "bf16"
+    s, o = rep["traces"]["bf16"], rep["traces"]["ap4"]
+    assert s["by_category_us"]["moe_stock"] == 510.0 and s["by_category_us"]["moe_ap"] == 0.0
+    assert s["total_us"] == 716.0 and s["kernels"] == 6  # the CPU op is not a kernel
+    assert o["by_category_us"]["moe_ap"] == 676.0 and o["by_category_us"]["attention"] == 121.0
+    assert o["by_category_us"]["gemm"] == 80.0 and o["by_category_us"]["norm"] == 6.0
+    assert o["by_category_us"]["copy_cast"] == 3.0 and o["by_category_us"]["other"] == 1.0
+    assert o["diff_vs_baseline_us"]["moe_ap"] == 676.0 and o["diff_vs_baseline_us"]["moe_stock"] == -510.0
+    assert o["total_diff_vs_baseline_us"] == round(o["total_us"] - 716.0, 1) == 171.0
+    assert o["diff_vs_baseline_us_per_layer"]["attention"] == 0.5
+    assert [k["name"] for k in o["top_kernels"]] == ["ap_grouped_gemm", "_fwd_kernel",
+                                                     "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT"]
+    assert o["top_kernels"][0] == {"name": "ap_grouped_gemm", "us": 660.0, "launches": 2, "category": "moe_ap"}
+    printed = capsys.readouterr().out
+    assert "| moe_ap | 0.0 | 676.0 | +676.0 |" in printed and "| total | 716.0 | 887.0 | +171.0 |" in printed
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"traceEvents": [stock[-1]]}))
+    with pytest.raises(SystemExit, match="no GPU kernel events"):
+        tk.main(["--trace", f"x={empty}", "--out", str(out)])
+    with pytest.raises(SystemExit):
+        tk.main(["--trace", str(b), "--out", str(out)])
+    assert "--trace takes LABEL=PATH" in capsys.readouterr().err
