@@ -409,6 +409,9 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
         __syncthreads();
         if (COPY_STEP < 0) issue(c + NST - LQ);  // into the slot of chunk c - LQ, which every thread and MMA has finished
         const u32 sb = smem_base + (u32)(((c + S0) % NST) * QSB);
+#if WGMMA
+        const u64 desc0 = wg_desc(sb + (u32)(NPW * wn * 128), 16, 1024);  // this warpgroup's pairs of the chunk
+#endif
 
         // codes of this lane's rows: [tile][row g / g + 8][word j]
         u32 hi[TPW][2][4], lo[TPW][2][4];
@@ -460,7 +463,9 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
                 // pieces (j, e0), (j, e0 + 1) of this warpgroup's NPW pairs: 32 bytes into the atom's rows (the
                 // hardware applies the swizzle to the address), 8-row groups 1024 bytes apart
                 const int p0 = 4 * j + e0;
-                const u64 desc = wg_desc(sb + (u32)((p0 >> 3) * BM * 128 + NPW * wn * 128 + (p0 & 7) * 16), 16, 1024);
+                // the chunk's descriptor plus the step's offset in 16-byte units (shared addresses stay under the
+                // descriptor's 18-bit field, so the add never carries out of it)
+                const u64 desc = desc0 + (u64)(u32)(((p0 >> 3) * BM * 128 + (p0 & 7) * 16) >> 4);
                 wg_fence();
 #if NPW == 128
                 wgmma_m64n128k16(acc[0], af[0], desc);

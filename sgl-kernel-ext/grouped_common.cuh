@@ -145,24 +145,27 @@ __device__ __forceinline__ RowCoef make_row_coef(u16 s16, u16 o16) {
 // packed constants of the code arithmetic in the compute type (BIAS: 128 in bf16, 1024 in fp16)
 struct CodeConst {
 #if CT == 0
-    static constexpr u32 NEG_BIAS = 0xC300C300u, ONE = 0x3F803F80u, SIXTEEN = 0x41804180u, NEG_16BIAS = 0xC500C500u;
-    static constexpr u32 NEG_BIAS_8 = 0xC308C308u, NEG_BIAS_128 = 0xC380C380u;  // -(BIAS + 8), -(BIAS + 128)
+    static constexpr u32 NEG_BIAS = 0xC300C300u, ONE = 0x3F803F80u, SIXTEEN = 0x41804180u;
+    static constexpr u32 NEG_BIAS_8 = 0xC308C308u;  // -(BIAS + 8)
+    static constexpr u32 NEG_17BIAS = 0xC508C508u, NEG_17BIAS_128 = 0xC510C510u;  // -17 BIAS, -(17 BIAS + 128)
 #else
-    static constexpr u32 NEG_BIAS = 0xE400E400u, ONE = 0x3C003C00u, SIXTEEN = 0x4C004C00u, NEG_16BIAS = 0xF400F400u;
-    static constexpr u32 NEG_BIAS_8 = 0xE408E408u, NEG_BIAS_128 = 0xE480E480u;
+    static constexpr u32 NEG_BIAS = 0xE400E400u, ONE = 0x3C003C00u, SIXTEEN = 0x4C004C00u;
+    static constexpr u32 NEG_BIAS_8 = 0xE408E408u;
+    static constexpr u32 NEG_17BIAS = 0xF440F440u, NEG_17BIAS_128 = 0xF448F448u;
 #endif
     static constexpr u32 NEG_ZERO = 0x80008000u;
 };
 
 // the codes of the nibbles (e, e + 4) exactly in the compute type: q <= 4 from one code word, q > 4 16 hi + lo
-// (<= 255) from the hi and lo words; CENTRED: less KC = 8 nibble or 128 byte units (still exact)
+// (<= 255) from the hi and lo words; CENTRED: less KC = 8 nibble or 128 byte units (still exact).
+// q > 4 in two packed fmas: 16 (BIAS + hi) - 17 BIAS (- 128) = 16 hi - BIAS (- 128) is a multiple of 16 of at most
+// 256 in magnitude, then (BIAS + lo) plus it is the code (less 128): both sums exact in the compute type
 template <int Q, bool CENTRED = false>
 __device__ __forceinline__ u32 exact_code_pair(u32 hi, u32 lo, int e) {
     using K = CodeConst;
     if (Q <= 4) return pfma(code_pair(hi, e), K::ONE, CENTRED ? K::NEG_BIAS_8 : K::NEG_BIAS);
-    const u32 h16 = pfma(code_pair(hi, e), K::SIXTEEN, K::NEG_16BIAS);                    // 16 hi, exact
-    const u32 lo1 = pfma(code_pair(lo, e), K::ONE, CENTRED ? K::NEG_BIAS_128 : K::NEG_BIAS);  // lo (- 128), exact
-    return pfma(h16, K::ONE, lo1);
+    const u32 h16 = pfma(code_pair(hi, e), K::SIXTEEN, CENTRED ? K::NEG_17BIAS_128 : K::NEG_17BIAS);
+    return pfma(code_pair(lo, e), K::ONE, h16);
 }
 
 // the weight pair of the nibbles (e, e + 4), centred (make_row_coef)

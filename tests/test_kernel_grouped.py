@@ -293,6 +293,77 @@ def test_wgmma_steps_stay_asynchronous(cfg):
     assert sass.count("WARPGROUP.ARRIVE") == steps
 
 
+def _wg_desc(addr: int, lbo: int, sbo: int) -> int:
+    """grouped_common.cuh's wg_desc: the shared-memory matrix descriptor with the 128-byte swizzle."""
+    return ((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (1 << 62)
+
+
+def test_wgmma_descriptor_per_step_is_the_chunks_plus_an_offset():
+    """The mainloop builds one descriptor per chunk and warpgroup and adds each k16 step's offset (in 16-byte units)
+    to it: the same descriptor as building it from the step's address, for every stage base one block can have
+    (1024-aligned, the stages inside 227 KB, so the address never reaches the field's 18 bits), block width and
+    warpgroup column; in the SASS the per-step address work is gone (the uniform lop3s that masked and merged each
+    step's address: 68-77 per kernel before, at most 24 now, for both served block shapes, w13 and w2)."""
+    limit = 227 * 1024
+    for bm, npw, wns in ((128, 128, (0,)), (64, 64, (0,)), (128, 64, (0, 1)), (256, 256, (0,))):
+        for wn in wns:
+            for sb in range(0, limit, 1024):
+                if sb + bm * 256 > limit:  # the stage's activations (two atoms of [bm][128 bytes]) end inside
+                    break
+                desc0 = _wg_desc(sb + npw * wn * 128, 16, 1024)
+                for p0 in range(16):
+                    off = (p0 >> 3) * bm * 128 + (p0 & 7) * 16
+                    assert desc0 + (off >> 4) == _wg_desc(sb + npw * wn * 128 + off, 16, 1024), (bm, wn, sb, p0)
+    for cfg in (default_grouped_config(2048, 8, 128), default_grouped_config(256, 8, 128)):
+        for mode in (0, 1):
+            sass = sass_of(compile_to_cubin(gemm_defines(mode, cfg, 4, 128, 0), "90a"))
+            assert sass.count("HGMMA") == 4 * 8
+            assert len(re.findall(r"ULOP3\.LUT", sass)) <= 24, (cfg, mode)
+
+
+def _code_constants(ct: int) -> dict[str, float]:
+    """grouped_common.cuh's CodeConst for compute type `ct` (0 bf16, 1 fp16), each packed half decoded."""
+    import struct
+    from pathlib import Path
+
+    import pagedweight.kernels as kernels
+
+    text = (Path(kernels.__file__).parent / "grouped_common.cuh").read_text()
+    body = text[text.index("struct CodeConst {"):]
+    branch = body.split("#else")[ct].split("#endif")[0]
+    out = {}
+    for name, value in re.findall(r"(\w+) = 0x([0-9A-F]{8})u", branch):
+        hi, lo = int(value[:4], 16), int(value[4:], 16)
+        assert hi == lo, name  # both halves alike
+        bits = struct.pack("<I", lo << 16) if ct == 0 else struct.pack("<H", lo)
+        out[name] = struct.unpack("<f" if ct == 0 else "<e", bits)[0]
+    return out
+
+
+@pytest.mark.parametrize("ct", [0, 1], ids=["bf16", "fp16"])
+def test_byte_codes_are_exact_in_two_packed_fmas(ct):
+    """q > 4: the code c = 16 hi + lo (less 128 when centred) from the two nibble codes in two packed fmas, 16 (BIAS +
+    hi) - 17 BIAS (- 128), then (BIAS + lo) plus that: every constant is the value it names, and both fma results are
+    exact in the compute type (each rounds to itself) for all 256 codes, so the weights are the bits they were with
+    three fmas."""
+    dtype = torch.bfloat16 if ct == 0 else torch.float16
+    k = _code_constants(ct)
+    bias = 128.0 if ct == 0 else 1024.0
+    assert (k["NEG_BIAS"], k["ONE"], k["SIXTEEN"], k["NEG_BIAS_8"]) == (-bias, 1.0, 16.0, -(bias + 8))
+    assert (k["NEG_17BIAS"], k["NEG_17BIAS_128"]) == (-17 * bias, -(17 * bias + 128))
+
+    def exact(v: float) -> bool:
+        return torch.tensor([v], dtype=torch.float64).to(dtype).double().item() == v
+
+    for centred, const in ((False, k["NEG_17BIAS"]), (True, k["NEG_17BIAS_128"])):
+        for hi in range(16):
+            h16 = (bias + hi) * 16.0 + const  # the first fma, before its one rounding
+            assert exact(h16), (centred, hi, h16)
+            for lo in range(16):
+                code = (bias + lo) * 1.0 + h16
+                assert exact(code) and code == 16 * hi + lo - (128 if centred else 0), (centred, hi, lo, code)
+
+
 def test_sched_knobs_are_checked():
     with pytest.raises(ValueError, match="copy_step"):
         GroupedConfig(2, 4, **_SERVED_R256, copy_step=0)
