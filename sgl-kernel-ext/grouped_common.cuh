@@ -158,8 +158,9 @@ struct CodeConst {
 
 // the codes of the nibbles (e, e + 4) exactly in the compute type: q <= 4 from one code word, q > 4 16 hi + lo
 // (<= 255) from the hi and lo words; CENTRED: less KC = 8 nibble or 128 byte units (still exact).
-// q > 4 in two packed fmas: 16 (BIAS + hi) - 17 BIAS (- 128) = 16 hi - BIAS (- 128) is a multiple of 16 of at most
-// 256 in magnitude, then (BIAS + lo) plus it is the code (less 128): both sums exact in the compute type
+// q > 4 in two packed fmas: 16 (BIAS + hi) - 17 BIAS (- 128) = 16 hi - BIAS (- 128), a multiple of 16 the compute
+// type holds exactly (bf16: at most 256 in magnitude, fp16: under 2048), then (BIAS + lo) plus it is the code (less
+// 128), an integer under 256: both sums exact
 template <int Q, bool CENTRED = false>
 __device__ __forceinline__ u32 exact_code_pair(u32 hi, u32 lo, int e) {
     using K = CodeConst;
