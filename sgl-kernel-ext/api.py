@@ -63,9 +63,9 @@ def _check_kernel(kernel: Kernel, path: str) -> None:
 
 
 def _use_cuda_kernel(name: str, kernel: Kernel, on_cuda: bool, weights: tuple[APMoEWeights, ...], wins: bool,
-                     explicit_config: bool) -> bool:
+                     explicit_config: bool, call_why: Optional[str] = None) -> bool:
     """Whether the CUDA kernel `name` ("lut", "mma", "fold" or "grouped") runs (kernel=name raises where it
-    cannot)."""
+    cannot). `call_why`: why this call's size is past the kernel's limits (None: it fits)."""
     if kernel not in ("auto", name):
         return False
     if name == "lut":
@@ -88,6 +88,7 @@ def _use_cuda_kernel(name: str, kernel: Kernel, on_cuda: bool, weights: tuple[AP
         from pagedweight.kernels.cuda_grouped import grouped_moe_unsupported
 
         why = "it serves the MoE layer only" if len(weights) != 2 else grouped_moe_unsupported(*weights)
+    why = why or call_why
     if kernel == name:
         if why is not None:
             raise ValueError(f"kernel={name!r} cannot run: {why}")
@@ -106,11 +107,19 @@ def moe_kernel_rules(m: int, topk: int, num_experts: int, intermediate: int) -> 
 
 
 def auto_moe_kernel(m: int, topk: int, w13: APMoEWeights, w2: APMoEWeights, *, on_cuda: bool = True,
-                    kernel: Kernel = "auto", explicit_config: bool = False) -> Optional[str]:
+                    kernel: Kernel = "auto", explicit_config: bool = False,
+                    apply_router_weight_on_input: bool = False) -> Optional[str]:
     """The CUDA kernel ap_fused_moe runs for a call of m tokens (None: the Triton path); the one place the choice is
-    made, so the benchmarks label their rows with what the server runs."""
+    made, so the benchmarks label their rows with what the server runs. A call past the grouped kernel's size limits
+    (grouped_call_unsupported) goes to the next rule that wins, or the Triton path."""
+    from pagedweight.kernels.cuda_grouped import default_grouped_config, grouped_call_unsupported
+
     for name, wins in moe_kernel_rules(m, topk, w13.num_experts, w2.K):
-        if _use_cuda_kernel(name, kernel, on_cuda, (w13, w2), wins, explicit_config):
+        call_why = None
+        if name == "grouped" and (wins or kernel == "grouped"):  # sized only where it may run
+            block_m = default_grouped_config(m, topk, w13.num_experts).block_m
+            call_why = grouped_call_unsupported(m, topk, w13, w2, block_m, apply_router_weight_on_input)
+        if _use_cuda_kernel(name, kernel, on_cuda, (w13, w2), wins, explicit_config, call_why):
             return name
     return None
 
@@ -148,7 +157,8 @@ def ap_fused_moe(
             activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
         )
     m, topk = topk_ids.shape
-    name = auto_moe_kernel(m, topk, w13, w2, on_cuda=hidden.is_cuda, kernel=kernel, explicit_config=configs is not None)
+    name = auto_moe_kernel(m, topk, w13, w2, on_cuda=hidden.is_cuda, kernel=kernel, explicit_config=configs is not None,
+                           apply_router_weight_on_input=apply_router_weight_on_input)
     if name is not None:
         if m == 0:
             return torch.zeros_like(hidden)

@@ -214,6 +214,20 @@ def grouped_moe_unsupported(w13: APMoEWeights, w2: APMoEWeights) -> str | None:
     return why
 
 
+def grouped_call_unsupported(m: int, topk: int, w13: APMoEWeights, w2: APMoEWeights, block_m: int,
+                             apply_router_weight_on_input: bool) -> str | None:
+    """Why one call of m tokens is past the grouped kernel's 32-bit activation offsets or its 65535 token blocks of
+    block_m pairs (None when it fits): ap_fused_moe_grouped refuses such a call, and kernel="auto" does not pick it."""
+    num_pairs = m * topk
+    inter_row = -(-w2.K // CHUNK) * CHUNK  # w2's input rows, padded to whole chunks (-DTAIL64)
+    units = num_pairs if apply_router_weight_on_input else m
+    too_many_blocks = num_pairs + w13.num_experts * block_m >= 65535 * block_m
+    if max(units * w13.K, num_pairs * inter_row) >= 2**31 or too_many_blocks:
+        return (f"{m} tokens x top-{topk} exceed the grouped kernel's 32-bit activation offsets or its 65535 blocks "
+                f"of {block_m} pairs at hidden {w13.K} / intermediate {w2.K}")
+    return None
+
+
 def grouped_layer_config(cfg: GroupedConfig, w13: APMoEWeights, w2: APMoEWeights, explicit: bool) -> GroupedConfig:
     """`cfg` for this layer: groups of 64 inputs (w13's or w2's) need the offset in the weights on the plain launch
     (the fp32 offset pass sums whole chunks). A default config takes it on; an explicit one without it is refused."""
@@ -342,11 +356,9 @@ def ap_fused_moe_grouped(
     inter, H = w2.K, w2.N
     inter_row = -(-inter // CHUNK) * CHUNK  # w2's input rows, padded to whole chunks (-DTAIL64)
     units, src = (num_pairs, SRC_PAIR) if apply_router_weight_on_input else (m, SRC_TOKEN)
-    too_many_blocks = num_pairs + w13.num_experts * cfg.block_m >= 65535 * cfg.block_m
-    if max(units * w13.K, num_pairs * inter_row) >= 2**31 or too_many_blocks:
-        raise ValueError(f"moe: {m} tokens x top-{topk} exceed the grouped kernel's 32-bit activation offsets or its "
-                         f"65535 blocks of {cfg.block_m} pairs at hidden {w13.K} / intermediate {inter}: split the "
-                         "batch")
+    too_big = grouped_call_unsupported(m, topk, w13, w2, cfg.block_m, apply_router_weight_on_input)
+    if too_big is not None:
+        raise ValueError(f"moe: {too_big}: split the batch")
     bits_max = max(w13.bits_max, w2.bits_max)
     if cfg.shared_bytes(bits_max) > SHARED_LIMIT:
         raise ValueError(f"moe: grouped kernel {cfg} needs {cfg.shared_bytes(bits_max)} bytes of shared memory at "

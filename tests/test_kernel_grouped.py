@@ -251,6 +251,42 @@ def test_dispatch_rule():
     assert not prefer_grouped(4096, 2, 8) and not prefer_grouped(8192, 2, 8)
 
 
+def test_calls_past_the_size_limits_go_elsewhere(monkeypatch):
+    """A call past the grouped kernel's 32-bit activation offsets (or 65535 token blocks) is refused by the kernel in
+    one line and never picked by kernel="auto", whatever the pairs-per-expert rule says: Mixtral's shapes with that
+    rule's upper bound lifted, grouped at 8192 tokens, the Triton path at 131072 (w2's input: 262144 pairs x 14336
+    inputs), and the top-k times larger input rows when the router weight is applied on the input."""
+    from types import SimpleNamespace
+
+    import pagedweight.kernels.config as config
+    import pagedweight.kernels.cuda_grouped as cuda_grouped
+    from pagedweight.kernels.api import auto_moe_kernel
+    from pagedweight.kernels.cuda_grouped import grouped_call_unsupported
+
+    # k-means tables: the fold, MMA and LUT kernels refuse them before their size rules are asked
+    w13 = SimpleNamespace(K=4096, N=2 * 14336, num_experts=8, group_size=128, table_kind="kmeans", grouped=False)
+    w2 = SimpleNamespace(K=14336, N=4096, num_experts=8, group_size=128, table_kind="kmeans", grouped=False)
+    assert grouped_call_unsupported(8192, 2, w13, w2, 128, False) is None
+    why = grouped_call_unsupported(131072, 2, w13, w2, 128, False)
+    assert why.startswith("131072 tokens x top-2 exceed the grouped kernel's 32-bit activation offsets")
+    # apply_router_weight_on_input: w13 reads one row per pair (M x top-k rows of the hidden size)
+    wide13 = SimpleNamespace(K=8192, N=2 * 1024, num_experts=8, group_size=128)
+    narrow2 = SimpleNamespace(K=1024, N=8192, num_experts=8, group_size=128)
+    assert grouped_call_unsupported(200000, 2, wide13, narrow2, 128, False) is None
+    assert grouped_call_unsupported(200000, 2, wide13, narrow2, 128, True) is not None
+    assert grouped_call_unsupported(8_000_000, 1, SimpleNamespace(K=128, num_experts=8),
+                                    SimpleNamespace(K=128), 64, False).endswith("65535 blocks of 64 pairs at hidden 128 "
+                                                                                "/ intermediate 128")
+
+    monkeypatch.setattr(config, "GROUPED_MAX_PAIRS_PER_EXPERT", float("inf"))
+    monkeypatch.setattr(cuda_grouped, "grouped_unsupported", lambda w: None)  # as if on a GPU
+    monkeypatch.setattr(cuda_grouped, "grouped_moe_unsupported", lambda a, b: None)
+    assert auto_moe_kernel(8192, 2, w13, w2) == "grouped"
+    assert auto_moe_kernel(131072, 2, w13, w2) is None
+    with pytest.raises(ValueError, match="kernel='grouped' cannot run: 131072 tokens x top-2 exceed"):
+        auto_moe_kernel(131072, 2, w13, w2, kernel="grouped")
+
+
 def test_red_v4_adds_w2_results_by_16_byte_reductions():
     """red_v4: w2's output additions compile to REDG.E.ADD.F32x4 (one per 4 output rows of a pair), and no scalar
     float32 reduction is left in that kernel; without it, one scalar reduction per value."""
