@@ -112,13 +112,13 @@ def auto_moe_kernel(m: int, topk: int, w13: APMoEWeights, w2: APMoEWeights, *, o
     """The CUDA kernel ap_fused_moe runs for a call of m tokens (None: the Triton path); the one place the choice is
     made, so the benchmarks label their rows with what the server runs. A call past the grouped kernel's size limits
     (grouped_call_unsupported) goes to the next rule that wins, or the Triton path."""
-    from pagedweight.kernels.cuda_grouped import default_grouped_config, grouped_call_unsupported
+    from pagedweight.kernels.cuda_grouped import default_block_m, grouped_call_unsupported
 
     for name, wins in moe_kernel_rules(m, topk, w13.num_experts, w2.K):
         call_why = None
         if name == "grouped" and (wins or kernel == "grouped"):  # sized only where it may run
-            block_m = default_grouped_config(m, topk, w13.num_experts).block_m
-            call_why = grouped_call_unsupported(m, topk, w13, w2, block_m, apply_router_weight_on_input)
+            call_why = grouped_call_unsupported(m, topk, w13, w2, default_block_m(m, topk, w13.num_experts),
+                                                apply_router_weight_on_input)
         if _use_cuda_kernel(name, kernel, on_cuda, (w13, w2), wins, explicit_config, call_why):
             return name
     return None

@@ -325,6 +325,12 @@ def prebuild_grouped(configs: list[GroupedConfig], w13: APMoEWeights, w2: APMoEW
 ROWS256_MIN_PAIRS_PER_EXPERT = 48
 
 
+def default_block_m(m: int, topk: int, num_experts: int) -> int:
+    """Pairs per token block of default_grouped_config, without building it (kernel="auto" sizes every prefill call
+    against the kernel's limits with it)."""
+    return 128 if m * topk / max(1, num_experts) >= ROWS256_MIN_PAIRS_PER_EXPERT else 64
+
+
 def default_grouped_config(m: int, topk: int, num_experts: int) -> GroupedConfig:
     """The block shape by pairs per expert. 256 x 128 runs as four warpgroups of 64 rows (512 threads: more warps to
     hide each other's latencies), adds w2's results by 16-byte vector reductions (red_v4), builds each weight whole
@@ -333,8 +339,7 @@ def default_grouped_config(m: int, topk: int, num_experts: int) -> GroupedConfig
     chunk's third k16 step (copy_step=2) and runs four stages up to 4-bit blocks (three above), keeping two chunks of
     copies in flight (docs/results/kernel.md, sessions 31-33). 128 x 64 runs as two warpgroups of 64 rows (256
     threads, two blocks per SM; session 34)."""
-    per_expert = m * topk / max(1, num_experts)
-    if per_expert >= ROWS256_MIN_PAIRS_PER_EXPERT:
+    if default_block_m(m, topk, num_experts) == 128:
         return GroupedConfig(wn=2, stages=4, rows=256, row_warpgroups=4, red_v4=True, offset_in_weights=True,
                              refill_lag=2, copy_step=2)
     return GroupedConfig(wn=1, stages=3, row_warpgroups=2)

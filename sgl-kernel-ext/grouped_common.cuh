@@ -165,8 +165,8 @@ template <int Q, bool CENTRED = false>
 __device__ __forceinline__ u32 exact_code_pair(u32 hi, u32 lo, int e) {
     using K = CodeConst;
     if (Q <= 4) return pfma(code_pair(hi, e), K::ONE, CENTRED ? K::NEG_BIAS_8 : K::NEG_BIAS);
-    const u32 h16 = pfma(code_pair(hi, e), K::SIXTEEN, CENTRED ? K::NEG_17BIAS_128 : K::NEG_17BIAS);
-    return pfma(code_pair(lo, e), K::ONE, h16);
+    const u32 hi_part = pfma(code_pair(hi, e), K::SIXTEEN, CENTRED ? K::NEG_17BIAS_128 : K::NEG_17BIAS);
+    return pfma(code_pair(lo, e), K::ONE, hi_part);
 }
 
 // the weight pair of the nibbles (e, e + 4), centred (make_row_coef)

@@ -537,6 +537,11 @@ def test_configs_and_refusals():
     assert default_grouped_config(1024, 8, 128).rows == 256 and default_grouped_config(192, 2, 8).rows == 256  # 64, 48
     small = GroupedConfig(wn=1, stages=3, row_warpgroups=2)
     assert default_grouped_config(512, 8, 128) == small == default_grouped_config(188, 2, 8) and small.threads == 256
+    # the routing's size check reads the block width without building the config: the same at every size
+    from pagedweight.kernels.cuda_grouped import default_block_m
+
+    for m, topk, experts in ((188, 2, 8), (192, 2, 8), (512, 8, 128), (1024, 8, 128), (32768, 8, 128), (1, 4, 60)):
+        assert default_block_m(m, topk, experts) == default_grouped_config(m, topk, experts).block_m
     assert GroupedConfig(wn=2, stages=3).shared_bytes(8) == 3 * 49 * 1024 + 1024  # 48.5 KB stages, 1 KB aligned
     with pytest.raises(ValueError, match="wn"):
         GroupedConfig(wn=3)
