@@ -118,16 +118,41 @@ __device__ __forceinline__ void transpose4(u32* w) {
     }
 }
 
-// nibble codes of inputs 4 i + j (j = 0..3) from NP <= 4 plane words (plane p -> bit 3 - p; missing planes 0)
-template <int NP>
+// nibble codes of inputs 4 i + j (j = 0..3) from NP plane words (plane p -> bit TOP - p, NP <= TOP + 1 <= 4; the
+// bits of missing planes 0)
+template <int NP, int TOP = 3>
 __device__ __forceinline__ void codes_of(const u32* planes, u32* out) {
+    static_assert(NP >= 1 && NP <= TOP + 1 && TOP <= 3, "codes_of: NP planes at bits TOP .. TOP - NP + 1 of a nibble");
 #pragma unroll
-    for (int r = 0; r < 4; ++r) out[r] = 3 - r < NP ? planes[3 - r] : 0u;
+    for (int r = 0; r < 4; ++r) out[r] = r <= TOP && TOP - r < NP ? planes[TOP - r] : 0u;
     transpose4(out);
 }
 
 // the mma operand (BIAS + c_e, BIAS + c_{e+4}) of nibbles e and e + 4 of v
 __device__ __forceinline__ u32 code_pair(u32 v, int e) { return lop3_and_or(v >> (4 * e), 0x000F000Fu, MAGIC); }
+
+template <int SEL>
+__device__ __forceinline__ u32 prmt(u32 a, u32 b) {  // byte i of the result: byte (SEL >> 4 i) & 7 of {b, a}
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "n"(SEL));
+    return d;
+}
+
+// Codes of up to 7 bits as bytes: hi holds bits 6..4 of each input's code c7 in its nibble (bit 3 clear), lo bits
+// 3..0 (the nibbles of codes_of, the same inputs). Byte b of even is c7 of nibble 2 b, of odd c7 of nibble 2 b + 1,
+// bit 7 of every byte 0: a code pair is then a byte permutation with no mask, and MAGIC | c7 is BIAS + c7 exactly
+// (7 mantissa bits in bf16, 10 in fp16).
+__device__ __forceinline__ void byte_codes(u32 hi, u32 lo, u32& even, u32& odd) {
+    even = lop3_sel(hi << 4, lo, 0xF0F0F0F0u);
+    odd = lop3_sel(hi, lo >> 4, 0xF0F0F0F0u);
+}
+
+// the mma operand (BIAS + c7_e, BIAS + c7_{e+4}) of nibbles e and e + 4 (the slots of code_pair): bytes e / 2 and
+// e / 2 + 2 of even (e even) or odd (e odd) under MAGIC's exponent bytes 1 and 3
+template <int E>
+__device__ __forceinline__ u32 byte_pair(u32 even, u32 odd) {
+    return prmt<E < 2 ? 0x7250 : 0x7351>(E & 1 ? odd : even, MAGIC);
+}
 
 // Q_SWITCH(q, CALL): CALL(Q) for the runtime bitwidth q, each Q <= PMAX a compiled body (ONLY_Q: one bitwidth
 // only, for the instruction count of one body; tests and benchmarks never set it)

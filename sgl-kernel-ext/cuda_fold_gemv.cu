@@ -9,11 +9,13 @@
 // is the value BIAS + c (bf16: 0x4300 = 128, fp16: 0x6400 = 1024), exact, so the MMA accumulates
 // sum (BIAS + c) x = sum c x + BIAS S, and the epilogue removes BIAS S in fp32 together with adding z S:
 //     y += A acc + (z - BIAS A) S,   A = 2 s 2^(q-4)   (q <= 4: the nibble holds c4 = c << (4 - q));
-// q > 4 reads c8 = c << (8 - q) = 16 c_hi + c_lo as two nibbles with two accumulators:
-//     y += A (16 acc_hi + acc_lo) + (z - 17 BIAS A) S,   A = 2 s 2^(q-8).
+// q = 5..7 the same with c7 = c << (7 - q) (at most 127, exact under MAGIC in bf16 too), A = 2 s 2^(q-7): one byte per
+// code from two nibble words (planes 0-2 and 3..), one mma chain as at 4 bits;
+// q = 8 (255 needs 8 mantissa bits, bf16 has 7) reads c = 16 c_hi + c_lo as two nibbles with two accumulators:
+//     y += A (16 acc_hi + acc_lo) + (z - 17 BIAS A) S,   A = 2 s.
 // Per weight that leaves the bit transposition (a shift and a lop3 per plane and 8 codes) and one lop3 per
-// two codes. The activations stay in their own 16-bit type (bf16 for bf16 / fp32 inputs, fp16 for fp16), so
-// there is no range scaling.
+// two codes (q = 5..7: a shift and a lop3 per four codes for the bytes, then one prmt per two codes). The activations
+// stay in their own 16-bit type (bf16 for bf16 / fp32 inputs, fp16 for fp16), so there is no range scaling.
 //
 // One warp: RT tiles of 16 A rows (MODE 0: gate rows n0..n0+7 in rows 0..7 and their up rows I+n0.. in rows 8..15;
 // MODE 1/2: 16 consecutive rows), every tile fed by the same activation fragments, x a K range in chunks of 128 inputs. Lane (g, t) holds the 32-input quarter
@@ -22,7 +24,8 @@
 // stage, and one ldmatrix.x4 gives each lane word t of four (plane, row-half) rows of a chunk, which is the
 // 4 x 4 word transposition that puts quarter t in lane t.
 // Bit transposition: nibble i of out_j (j = 0..3) holds the code of input 4 i + j of the quarter; an mma takes
-// nibbles (e, e + 4) of out_j as the half pair of slots (2t, 2t+1) or (2t+8, 2t+9).
+// nibbles (e, e + 4) of out_j as the half pair of slots (2t, 2t+1) or (2t+8, 2t+9) (q = 5..7: the bytes of the same
+// nibbles, in the same slots).
 // Activations arrive in that order from ap_fold_prep (w13, linear) or the w13 epilogue (w2): per unit (m-block,
 // or row / pair with DIRECT), chunk, n-tile and j, 32 lanes x 8 16-bit values; value 2 e + h of lane (g, t)
 // is input 32 t + 4 (e + 4 h) + j of slot g. One coalesced 16-byte load per lane feeds 2 mma.
@@ -89,7 +92,7 @@
 #define SAS 2  // SA: stages of the activation ring (2, 3 or 4); the plane rings run as many where they hold them, else 2
 #endif
 #ifndef SPLIT
-#define SPLIT 0  // q <= 4: the two mma of each code word into two accumulator sets (chains of half the length)
+#define SPLIT 0  // q <= 7: the two mma of each code word into two accumulator sets (chains of half the length)
 #endif
 #ifndef SUMR
 #define SUMR 0  // SA: each stage's group sums come through the activation ring (cp.async), read from shared memory
@@ -198,20 +201,40 @@ __device__ __forceinline__ float2 ld_sum2(const float* p) { return __ldg((const 
 #endif
 
 
-// the 8 codes of word j of rows g (va) and g + 8 (vb) times every n-tile's activations, into acc: two mma, the
-// code pairs (e0, e0 + 4) in slots (2t, 2t+1) and (e0 + 1, e0 + 5) in slots (2t+8, 2t+9), e0 = 0, 2; e0 = 0 into
-// acc, e0 = 2 into acc2 (the same registers, or SPLIT a second set: two independent mma chains)
-__device__ __forceinline__ void mma_codes(float (*acc)[4], float (*acc2)[4], u32 va, u32 vb, const uint4 (*b)[4], int j) {
+// the 8 codes of word j of rows g and g + 8 times every n-tile's activations, into acc: two mma, the code pairs
+// pa[e] / pb[e] (nibbles e, e + 4 of rows g / g + 8) (e0, e0 + 4) in slots (2t, 2t+1) and (e0 + 1, e0 + 5) in slots
+// (2t+8, 2t+9), e0 = 0, 2; e0 = 0 into acc, e0 = 2 into acc2 (the same registers, or SPLIT a second set: two
+// independent mma chains)
+__device__ __forceinline__ void mma_pairs(float (*acc)[4], float (*acc2)[4], const u32* pa, const u32* pb,
+                                          const uint4 (*b)[4], int j) {
 #pragma unroll
     for (int e0 = 0; e0 < 4; e0 += 2) {
-        const u32 a0 = code_pair(va, e0), a1 = code_pair(vb, e0);
-        const u32 a2 = code_pair(va, e0 + 1), a3 = code_pair(vb, e0 + 1);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             const uint4 bv = b[nt][j];
-            mma16816(e0 == 0 ? acc[nt] : acc2[nt], a0, a1, a2, a3, e0 == 0 ? bv.x : bv.z, e0 == 0 ? bv.y : bv.w);
+            mma16816(e0 == 0 ? acc[nt] : acc2[nt], pa[e0], pb[e0], pa[e0 + 1], pb[e0 + 1], e0 == 0 ? bv.x : bv.z,
+                     e0 == 0 ? bv.y : bv.w);
         }
     }
+}
+
+// nibble codes: word j of rows g (va) and g + 8 (vb)
+__device__ __forceinline__ void mma_codes(float (*acc)[4], float (*acc2)[4], u32 va, u32 vb, const uint4 (*b)[4], int j) {
+    u32 pa[4], pb[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) pa[e] = code_pair(va, e), pb[e] = code_pair(vb, e);
+    mma_pairs(acc, acc2, pa, pb, b, j);
+}
+
+// 7-bit byte codes (q = 5..7, byte_codes): word j's hi and lo nibble words of rows g (ha, la) and g + 8 (hb, lb)
+__device__ __forceinline__ void mma_bytes(float (*acc)[4], float (*acc2)[4], u32 ha, u32 la, u32 hb, u32 lb,
+                                          const uint4 (*b)[4], int j) {
+    u32 ea, oa, eb, ob;
+    byte_codes(ha, la, ea, oa);
+    byte_codes(hb, lb, eb, ob);
+    const u32 pa[4] = {byte_pair<0>(ea, oa), byte_pair<1>(ea, oa), byte_pair<2>(ea, oa), byte_pair<3>(ea, oa)};
+    const u32 pb[4] = {byte_pair<0>(eb, ob), byte_pair<1>(eb, ob), byte_pair<2>(eb, ob), byte_pair<3>(eb, ob)};
+    mma_pairs(acc, acc2, pa, pb, b, j);
 }
 
 // 16-bit element offset of input k of slot s inside one unit's activations
@@ -232,13 +255,9 @@ __device__ __forceinline__ Coef make_coef(u16 s16, u16 o16) {
     const float s = h2f(s16), o = h2f(o16);
     const float z = o - s * (float)((1 << Q) - 1);
     Coef c;
-    if (Q <= 4) {
-        c.a = 2.f * s * __int_as_float((127 + Q - 4) << 23);  // 2 s 2^(q-4)
-        c.b = z - BIAS * c.a;
-    } else {
-        c.a = 2.f * s * __int_as_float((127 + Q - 8) << 23);  // 2 s 2^(q-8)
-        c.b = z - 17.f * BIAS * c.a;
-    }
+    constexpr int W = Q <= 4 ? 4 : Q <= 7 ? 7 : 8;  // bits of the code as the MMA reads it (c << (W - q))
+    c.a = 2.f * s * __int_as_float((127 + Q - W) << 23);  // 2 s 2^(q-W)
+    c.b = z - (Q == 8 ? 17.f : 1.f) * BIAS * c.a;  // q = 8: acc = 16 acc_hi + acc_lo holds 17 BIAS S
     return c;
 }
 
@@ -326,8 +345,14 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     // chunks per stage: SC, halved where two stages (SA: SA_STAGES) of RT tiles of Q planes would not fit the ring
     // (5-8 bits, or more than one tile, in the 8 KB ring)
     constexpr int SCQ = (SC == 4 && RING < (SA ? SA_STAGES : 2) * Q * 1024 * RT) ? 2 : SC;
-    constexpr int NP_HI = Q < 4 ? Q : 4;
-    constexpr int NP_LO = Q > 4 ? Q - 4 : 0;
+    // q = 5..7: one chain of byte codes from planes 0-2 (hi words, bits 2..0 of the nibble) and 3.. (lo, from bit 3);
+    // q = 8: two chains of nibbles, planes 0-3 (hi) and 4-7 (lo); q <= 4: hi only
+    constexpr bool BYTES = Q >= 5 && Q <= 7;
+    constexpr int NP_HI = Q < 4 ? Q : BYTES ? 3 : 4;
+    constexpr int NP_LO = Q - NP_HI;
+    // a second accumulator set: q = 8's lo chain, or SPLIT's second mma of each code word (one chain bodies)
+    constexpr bool ACC_LO = Q == 8 || SPLIT;
+    constexpr int RL = ACC_LO ? RT : 1;  // (size 1 and unused without it)
     constexpr int PLANE_BYTES = 16 * SCQ * 16;  // one plane of one tile and stage: 16 rows x SCQ chunks x 16 bytes
     constexpr int TILE_BYTES = Q * PLANE_BYTES;
     constexpr int STAGE_BYTES = RT * TILE_BYTES;
@@ -532,13 +557,9 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     for (int d = 0; d < PD; ++d)
 #pragma unroll
         for (int h = 0; h < NH; ++h) load_scales(d, h, sc[d][h]);
-    float acc[RT][NT][4], acc_lo[RT][NT][4];
-#pragma unroll
-    for (int r = 0; r < RT; ++r)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[r][nt][c] = acc_lo[r][nt][c] = 0.f;
+    float acc[RT][NT][4], acc_lo[RL][NT][4];
+    zero_tiles(acc);
+    if constexpr (ACC_LO) zero_tiles(acc_lo);
     // activations from L2: double-buffered for one n-tile (the next chunk's load is in flight), else loaded per chunk
     constexpr bool PREFETCH = !SA && NT == 1 && BPF;
     uint4 bq[PREFETCH ? 2 : 1][NT][4];
@@ -596,9 +617,10 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
             }
         }
         // No per-chunk guard (one n-tile): a chunk at or past c_end (the last stage of a slice) multiplies whatever
-        // its ring slot holds (finite codes: MAGIC | nibble) by real activations (clamped loads) into acc, and its
-        // group's coefficients and sums are 0 (load_scales, S_st), so it adds exactly 0 to y. The stage is then one
-        // straight-line block the compiler schedules across chunks (ldmatrix, shuffles and mma of neighbours).
+        // its ring slot holds (finite codes: MAGIC | nibble, or | a byte below 128) by real activations (clamped
+        // loads) into acc, and its group's coefficients and sums are 0 (load_scales, S_st), so it adds exactly 0 to
+        // y. The stage is then one straight-line block the compiler schedules across chunks (ldmatrix, shuffles and
+        // mma of neighbours).
         const u32 sbase = ring_base + (u32)((si % D) * STAGE_BYTES);
 #pragma unroll
         for (int i = 0; i < SCQ; ++i) {
@@ -629,16 +651,21 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
                         ldsm_x4(tbase + pp * 2 * PLANE_BYTES, wa[2 * pp], wb[2 * pp], wa[2 * pp + 1], wb[2 * pp + 1]);
                     if (Q & 1) ldsm_x2(tbase + (Q - 1) * PLANE_BYTES, wa[Q - 1], wb[Q - 1]);
                     u32 ca4[4], cb4[4], la4[4], lb4[4];
-                    codes_of<NP_HI>(wa, ca4);
-                    codes_of<NP_HI>(wb, cb4);
+                    codes_of<NP_HI, BYTES ? 2 : 3>(wa, ca4);
+                    codes_of<NP_HI, BYTES ? 2 : 3>(wb, cb4);
                     if constexpr (NP_LO > 0) {
-                        codes_of<NP_LO>(wa + 4, la4);
-                        codes_of<NP_LO>(wb + 4, lb4);
+                        codes_of<NP_LO>(wa + NP_HI, la4);
+                        codes_of<NP_LO>(wb + NP_HI, lb4);
                     }
+                    float(*acc2)[4] = ACC_LO && Q != 8 ? acc_lo[r % RL] : acc[r];  // SPLIT: the e0 = 2 mma
 #pragma unroll
                     for (int j = 0; j < 4; ++j) {
-                        mma_codes(acc[r], NP_LO == 0 && SPLIT ? acc_lo[r] : acc[r], ca4[j], cb4[j], b, j);
-                        if constexpr (NP_LO > 0) mma_codes(acc_lo[r], acc_lo[r], la4[j], lb4[j], b, j);
+                        if constexpr (BYTES) {
+                            mma_bytes(acc[r], acc2, ca4[j], la4[j], cb4[j], lb4[j], b, j);
+                        } else {
+                            mma_codes(acc[r], acc2, ca4[j], cb4[j], b, j);
+                            if constexpr (Q == 8) mma_codes(acc_lo[r % RL], acc_lo[r % RL], la4[j], lb4[j], b, j);
+                        }
                     }
                     if (group_end) {
                         const int src_lane = g * 4 + (i & 3);  // the lane that read this group's (scale, offset)
@@ -653,9 +680,11 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
                             float v[4];
 #pragma unroll
                             for (int c2 = 0; c2 < 4; ++c2) {
-                                v[c2] = NP_LO > 0 ? fmaf(16.f, acc[r][nt][c2], acc_lo[r][nt][c2])
-                                        : SPLIT ? acc[r][nt][c2] + acc_lo[r][nt][c2] : acc[r][nt][c2];
-                                acc[r][nt][c2] = acc_lo[r][nt][c2] = 0.f;
+                                if constexpr (Q == 8) v[c2] = fmaf(16.f, acc[r][nt][c2], acc_lo[r % RL][nt][c2]);
+                                else if constexpr (ACC_LO) v[c2] = acc[r][nt][c2] + acc_lo[r % RL][nt][c2];
+                                else v[c2] = acc[r][nt][c2];
+                                acc[r][nt][c2] = 0.f;
+                                if constexpr (ACC_LO) acc_lo[r % RL][nt][c2] = 0.f;
                             }
                             y[r][nt][0] = fmaf(aa, v[0], fmaf(ba, S[nt].x, y[r][nt][0]));
                             y[r][nt][1] = fmaf(aa, v[1], fmaf(ba, S[nt].y, y[r][nt][1]));

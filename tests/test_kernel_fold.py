@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,6 +76,9 @@ def test_every_variant_compiles_for_sm90(mode):
         bits_max, group, compute = ((8, 128, 0), (4, 256, 1))[(i + mode) % 2]
         jobs.append(functools.partial(compile_to_cubin, gemv_defines(mode, cfg, bits_max, group, compute, out=compute),
                                       "90"))
+    # fp16 at an 8-plane parent: the byte-code bodies (5-7 bits) under fp16's MAGIC, one and two chains per word
+    for cfg in (FoldConfig(1), FoldConfig(2, split_chains=True)):
+        jobs.append(functools.partial(compile_to_cubin, gemv_defines(mode, cfg, 8, 128, 1, out=1), "90"))
     if mode != 2:
         for cfg in (FoldConfig(1, direct=True), FoldConfig(1, direct=True, wk=4),
                     FoldConfig(1, direct=True, sums_ahead=True, pdl=True)):
@@ -206,9 +211,10 @@ def _sel(a: int, b: int, m: int) -> int:  # lop3 0xE4: (a & m) | (b & ~m)
     return ((a & m) | (b & ~m)) & _M32
 
 
-def _codes_of(planes: list[int], np_: int) -> list[int]:
-    """cuda_fold_gemv.cu codes_of<NP>: reversed planes through the two delta-swap stages."""
-    w = [planes[3 - r] if 3 - r < np_ else 0 for r in range(4)]
+def _codes_of(planes: list[int], np_: int, top: int = 3) -> list[int]:
+    """cuda_common.cuh codes_of<NP, TOP>: the planes reversed (plane p -> bit top - p) through the two delta-swap
+    stages."""
+    w = [planes[top - r] if r <= top and top - r < np_ else 0 for r in range(4)]
     for r in range(2):
         a, b = w[r], w[r + 2]
         w[r], w[r + 2] = _sel(a, (b << 2) & _M32, 0x33333333), _sel(b, a >> 2, 0xCCCCCCCC)
@@ -216,6 +222,58 @@ def _codes_of(planes: list[int], np_: int) -> list[int]:
         a, b = w[r], w[r + 1]
         w[r], w[r + 1] = _sel(a, (b << 1) & _M32, 0x55555555), _sel(b, a >> 1, 0xAAAAAAAA)
     return w
+
+
+def _byte_code_constants() -> tuple[int, int, int, int, int]:
+    """(hi's shift for the even bytes, lo's shift for the odd ones, their lop3 mask, byte_pair's prmt selectors of
+    e < 2 and e >= 2) as cuda_common.cuh's byte_codes / byte_pair write them."""
+    src = (Path(cuda_fold._SOURCE).parent / "cuda_common.cuh").read_text()
+    codes = re.search(r"even = lop3_sel\(hi << (\d+), lo, (0x[0-9A-Fa-f]+)u\);\s*"
+                      r"odd = lop3_sel\(hi, lo >> (\d+), (0x[0-9A-Fa-f]+)u\);", src)
+    pair = re.search(r"prmt<E < 2 \? (0x[0-9A-Fa-f]+) : (0x[0-9A-Fa-f]+)>\(E & 1 \? odd : even, MAGIC\)", src)
+    assert codes and pair, "byte_codes / byte_pair changed form: update this emulation with them"
+    assert codes.group(2) == codes.group(4)
+    return (int(codes.group(1)), int(codes.group(3)), int(codes.group(2), 16), int(pair.group(1), 16),
+            int(pair.group(2), 16))
+
+
+def _code_widths() -> tuple[int, int, int]:
+    """make_coef's bits of the code as the MMA reads it (c << (W - q)) at q <= 4, 5..7 and 8."""
+    src = Path(cuda_fold._SOURCE).read_text()
+    m = re.search(r"constexpr int W = Q <= 4 \? (\d) : Q <= 7 \? (\d) : (\d);", src)
+    assert m, "make_coef changed form: update the emulation with it"
+    return int(m.group(1)), int(m.group(2)), int(m.group(3))
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """prmt.b32 (default mode): byte i of the result is byte (sel >> 4 i) & 7 of the 8 bytes {b, a}."""
+    both = (b << 32) | a
+    return sum(((both >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+
+def _byte_pairs(hi: int, lo: int, magic: int) -> list[int]:
+    """cuda_common.cuh byte_codes then byte_pair<e> (e = 0..3): the mma operands of nibbles (e, e + 4) as 7-bit byte
+    codes under MAGIC."""
+    sh_hi, sh_lo, mask, sel_lo, sel_hi = _byte_code_constants()
+    even = _sel((hi << sh_hi) & _M32, lo, mask)
+    odd = _sel(hi, lo >> sh_lo, mask)
+    return [_prmt(odd if e & 1 else even, magic, sel_lo if e < 2 else sel_hi) for e in range(4)]
+
+
+def _lane_code_pairs(q: int, words: list[int], magic: int) -> list[list[list[int]]]:
+    """What one lane hands the mma for one row: per code chain (q <= 7: one; q = 8: hi then lo), per word j, the
+    operands of nibbles (e, e + 4), e = 0..3, as warp_rows forms them from the row's q plane words."""
+    if 5 <= q <= 7:  # one chain of byte codes c << (7 - q): planes 0-2 (hi, from bit 2) and 3.. (lo, from bit 3)
+        hi, lo = _codes_of(words[:3], 3, top=2), _codes_of(words[3:], q - 3)
+        return [[_byte_pairs(hi[j], lo[j], magic) for j in range(4)]]
+    nibble_words = [_codes_of(words[:4], min(q, 4))] + ([_codes_of(words[4:], 4)] if q == 8 else [])
+    return [[[((v[j] >> (4 * e)) & 0x000F000F) | magic for e in range(4)] for j in range(4)] for v in nibble_words]
+
+
+def _half_value(bits: int, compute: int) -> float:
+    """A 16-bit pattern as the MMA reads it: bf16 (compute 0) or fp16 (1)."""
+    t = torch.tensor([bits - (1 << 16) if bits >= 1 << 15 else bits], dtype=torch.int16)
+    return float(t.view(torch.bfloat16 if compute == 0 else torch.float16)[0])
 
 
 def _act_offset(k: int, s: int, nt_count: int) -> int:
@@ -245,39 +303,58 @@ def test_lanes_feed_mma_the_folded_dot_product(q):
     for k in range(CHUNK):
         for sl in range(8):
             xf[_act_offset(k, sl, 1)] = float(x[sl, k])
-    hi_np, lo_np = min(q, 4), max(q - 4, 0)
-    acc_hi = torch.zeros(16, 8, dtype=torch.float64)
-    acc_lo = torch.zeros(16, 8, dtype=torch.float64)
+    chains = 2 if q == 8 else 1  # q = 8: the hi and lo nibble chains (16 acc_hi + acc_lo)
+    acc = torch.zeros(chains, 16, 8, dtype=torch.float64)
     for t in range(4):  # lane t of every quad: inputs 32 t .. 32 t + 31 of the chunk
         words = [[sum(((int(codes[r, 32 * t + b]) >> (q - 1 - p)) & 1) << b for b in range(32)) for p in range(q)]
                  for r in range(16)]
-        for part, acc, np_ in (("hi", acc_hi, hi_np), ("lo", acc_lo, lo_np)):
-            if np_ == 0:
-                continue
-            c4 = [_codes_of(words[r][:4] if part == "hi" else words[r][4:], np_) for r in range(16)]
+        pairs = [_lane_code_pairs(q, words[r], 0x43004300) for r in range(16)]
+        for ch in range(chains):
             for j in range(4):
                 for e0 in (0, 2):
                     a = torch.zeros(16, 16, dtype=torch.float64)
                     b = torch.zeros(16, 8, dtype=torch.float64)
                     for r in range(16):
                         for slot, e in ((2 * t, e0), (2 * t + 8, e0 + 1)):
-                            pair = (c4[r][j] >> (4 * e)) & 0x000F000F
-                            a[r, slot], a[r, slot + 1] = bias + (pair & 0xF), bias + (pair >> 16)
+                            pair = pairs[r][ch][j][e]
+                            a[r, slot], a[r, slot + 1] = _half_value(pair & 0xFFFF, 0), _half_value(pair >> 16, 0)
                     for col in range(8):
                         base = j * 256 + (col * 4 + t) * 8
                         b[2 * t, col], b[2 * t + 1, col] = xf[base + 2 * e0], xf[base + 2 * e0 + 1]
                         b[2 * t + 8, col], b[2 * t + 9, col] = xf[base + 2 * e0 + 2], xf[base + 2 * e0 + 3]
-                    acc += a @ b
+                    acc[ch] += a @ b
     S = x.sum(dim=1)  # group sums per slot
     z = o - s * (2**q - 1)
-    if q <= 4:
-        ca = 2 * s * 2.0 ** (q - 4)
-        y = ca[:, None] * acc_hi + (z - bias * ca)[:, None] * S[None, :]
+    width = dict(zip((4, 7, 8), _code_widths()))[4 if q <= 4 else 7 if q <= 7 else 8]
+    ca = 2 * s * 2.0 ** (q - width)  # make_coef: A = 2 s 2^(q - W), the code read as c << (W - q)
+    if q == 8:
+        y = ca[:, None] * (16 * acc[0] + acc[1]) + (z - 17 * bias * ca)[:, None] * S[None, :]
     else:
-        ca = 2 * s * 2.0 ** (q - 8)
-        y = ca[:, None] * (16 * acc_hi + acc_lo) + (z - 17 * bias * ca)[:, None] * S[None, :]
+        y = ca[:, None] * acc[0] + (z - bias * ca)[:, None] * S[None, :]
     w = 2 * s[:, None] * codes.double() + z[:, None]
     torch.testing.assert_close(y, w @ x.t(), rtol=1e-12, atol=1e-9)
+
+
+@pytest.mark.parametrize("compute", [0, 1])
+@pytest.mark.parametrize("q", [5, 6, 7])
+def test_byte_codes_are_exact_for_every_code_at_every_position(q, compute):
+    """q = 5..7: every one of the 2^q codes at every input of a lane's 32-input quarter (the hi / lo nibble words of
+    codes_of, byte_codes' shifts and mask, byte_pair's selectors as the kernel source writes them) comes out as the
+    16-bit pattern MAGIC | (c << (7 - q)) in the slot code_pair puts that input in, which bf16 and fp16 read as
+    BIAS + (c << (7 - q)) exactly."""
+    magic, bias = (0x43004300, 128.0) if compute == 0 else (0x64006400, 1024.0)
+    for r in range(2**q):  # input k holds code (r + k) mod 2^q: every code meets every position once
+        codes = [(r + k) % 2**q for k in range(32)]
+        words = [sum(((codes[k] >> (q - 1 - p)) & 1) << k for k in range(32)) for p in range(q)]
+        (chain,) = _lane_code_pairs(q, words, magic)
+        for j in range(4):
+            for e in range(4):
+                for half in range(2):  # code_pair's slots: nibble e (low half) and e + 4 (high half) of word j
+                    k = 4 * (e + 4 * half) + j
+                    bits = (chain[j][e] >> (16 * half)) & 0xFFFF
+                    c7 = codes[k] << (7 - q)
+                    assert bits == (magic & 0xFFFF) | c7, (q, k, codes[k], hex(bits))
+                    assert _half_value(bits, compute) == bias + c7
 
 
 def test_dispatch_rule():
@@ -428,7 +505,7 @@ def reference_layouts() -> list[tuple[FoldConfig, FoldConfig]]:
     layouts.append((FoldConfig(1, shared_act=True, stage_chunks=8, ring_kb=32), FoldConfig(1, shared_act=True, row_tiles=2, ring_kb=16)))
     layouts.append((FoldConfig(2, wk=2, shared_act=True, row_tiles=2, ring_kb=16, min_blocks=3),
                     FoldConfig(2, row_tiles=2, ring_kb=16, min_blocks=3, shared_act=True)))
-    # three ring stages; two mma chains per code word (q <= 4; q > 4 ignores it)
+    # three ring stages; two mma chains per code word (q <= 7; q = 8 ignores it)
     layouts.append((FoldConfig(1, shared_act=True, sa_stages=3, ring_kb=12),
                     FoldConfig(1, k_per_split=128, shared_act=True, sa_stages=3, ring_kb=12, split_chains=True)))
     layouts.append((FoldConfig(2, shared_act=True, split_chains=True), FoldConfig(2, k_per_split=256, split_chains=True)))
