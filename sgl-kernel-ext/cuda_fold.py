@@ -101,8 +101,9 @@ class FoldConfig:
     # shared_act: stages of the activation ring (2, 3 or 4); each plane ring runs as many where it holds that many stages
     # of the committed planes, else fewer (two at least): narrow stages (stage_chunks 2) keep more of them in flight
     sa_stages: int = 2
-    # q <= 7: the two mma of each code word accumulate into two registers sets (two dependent chains of half the length
-    # per chunk, summed at the group's end); q = 8 has two chains already (its high and low nibbles)
+    # q <= 4: the two mma of each code word accumulate into two registers sets (two dependent chains of half the length
+    # per chunk, summed at the group's end); q > 4 ignores it (5-7 bits: one chain of byte codes, 8 bits: two chains
+    # already, its high and low nibbles)
     split_chains: bool = False
     # warps per block (4, 8 or 16); min_blocks counts blocks of this size. With shared_act every warp on a K range reads
     # the same activation ring, so more warps per block read each stage's activations from L2 once for more rows

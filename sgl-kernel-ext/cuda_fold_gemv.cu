@@ -92,7 +92,7 @@
 #define SAS 2  // SA: stages of the activation ring (2, 3 or 4); the plane rings run as many where they hold them, else 2
 #endif
 #ifndef SPLIT
-#define SPLIT 0  // q <= 7: the two mma of each code word into two accumulator sets (chains of half the length)
+#define SPLIT 0  // q <= 4: the two mma of each code word into two accumulator sets (chains of half the length)
 #endif
 #ifndef SUMR
 #define SUMR 0  // SA: each stage's group sums come through the activation ring (cp.async), read from shared memory
@@ -202,28 +202,26 @@ __device__ __forceinline__ float2 ld_sum2(const float* p) { return __ldg((const 
 
 
 // the 8 codes of word j of rows g and g + 8 times every n-tile's activations, into acc: two mma, the code pairs
-// pa[e] / pb[e] (nibbles e, e + 4 of rows g / g + 8) (e0, e0 + 4) in slots (2t, 2t+1) and (e0 + 1, e0 + 5) in slots
-// (2t+8, 2t+9), e0 = 0, 2; e0 = 0 into acc, e0 = 2 into acc2 (the same registers, or SPLIT a second set: two
-// independent mma chains)
-__device__ __forceinline__ void mma_pairs(float (*acc)[4], float (*acc2)[4], const u32* pa, const u32* pb,
-                                          const uint4 (*b)[4], int j) {
+// (e0, e0 + 4) in slots (2t, 2t+1) and (e0 + 1, e0 + 5) in slots (2t+8, 2t+9), e0 = 0, 2; e0 = 0 into acc, e0 = 2 into
+// acc2 (the same registers, or SPLIT a second set: two independent mma chains). pair(h, e): the mma operand of
+// nibbles (e, e + 4) of row g (h = 0) or g + 8 (h = 1)
+template <typename Pair>
+__device__ __forceinline__ void mma_pairs(float (*acc)[4], float (*acc2)[4], Pair pair, const uint4 (*b)[4], int j) {
 #pragma unroll
     for (int e0 = 0; e0 < 4; e0 += 2) {
+        const u32 a0 = pair(0, e0), a1 = pair(1, e0);
+        const u32 a2 = pair(0, e0 + 1), a3 = pair(1, e0 + 1);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             const uint4 bv = b[nt][j];
-            mma16816(e0 == 0 ? acc[nt] : acc2[nt], pa[e0], pb[e0], pa[e0 + 1], pb[e0 + 1], e0 == 0 ? bv.x : bv.z,
-                     e0 == 0 ? bv.y : bv.w);
+            mma16816(e0 == 0 ? acc[nt] : acc2[nt], a0, a1, a2, a3, e0 == 0 ? bv.x : bv.z, e0 == 0 ? bv.y : bv.w);
         }
     }
 }
 
 // nibble codes: word j of rows g (va) and g + 8 (vb)
 __device__ __forceinline__ void mma_codes(float (*acc)[4], float (*acc2)[4], u32 va, u32 vb, const uint4 (*b)[4], int j) {
-    u32 pa[4], pb[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) pa[e] = code_pair(va, e), pb[e] = code_pair(vb, e);
-    mma_pairs(acc, acc2, pa, pb, b, j);
+    mma_pairs(acc, acc2, [=](int h, int e) { return code_pair(h ? vb : va, e); }, b, j);
 }
 
 // 7-bit byte codes (q = 5..7, byte_codes): word j's hi and lo nibble words of rows g (ha, la) and g + 8 (hb, lb)
@@ -234,7 +232,7 @@ __device__ __forceinline__ void mma_bytes(float (*acc)[4], float (*acc2)[4], u32
     byte_codes(hb, lb, eb, ob);
     const u32 pa[4] = {byte_pair<0>(ea, oa), byte_pair<1>(ea, oa), byte_pair<2>(ea, oa), byte_pair<3>(ea, oa)};
     const u32 pb[4] = {byte_pair<0>(eb, ob), byte_pair<1>(eb, ob), byte_pair<2>(eb, ob), byte_pair<3>(eb, ob)};
-    mma_pairs(acc, acc2, pa, pb, b, j);
+    mma_pairs(acc, acc2, [&](int h, int e) { return h ? pb[e] : pa[e]; }, b, j);
 }
 
 // 16-bit element offset of input k of slot s inside one unit's activations
@@ -350,8 +348,8 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
     constexpr bool BYTES = Q >= 5 && Q <= 7;
     constexpr int NP_HI = Q < 4 ? Q : BYTES ? 3 : 4;
     constexpr int NP_LO = Q - NP_HI;
-    // a second accumulator set: q = 8's lo chain, or SPLIT's second mma of each code word (one chain bodies)
-    constexpr bool ACC_LO = Q == 8 || SPLIT;
+    // a second accumulator set: q = 8's lo chain, or SPLIT's second mma of each code word (q <= 4)
+    constexpr bool ACC_LO = Q == 8 || (Q <= 4 && SPLIT);
     constexpr int RL = ACC_LO ? RT : 1;  // (size 1 and unused without it)
     constexpr int PLANE_BYTES = 16 * SCQ * 16;  // one plane of one tile and stage: 16 rows x SCQ chunks x 16 bytes
     constexpr int TILE_BYTES = Q * PLANE_BYTES;

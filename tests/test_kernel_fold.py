@@ -76,7 +76,7 @@ def test_every_variant_compiles_for_sm90(mode):
         bits_max, group, compute = ((8, 128, 0), (4, 256, 1))[(i + mode) % 2]
         jobs.append(functools.partial(compile_to_cubin, gemv_defines(mode, cfg, bits_max, group, compute, out=compute),
                                       "90"))
-    # fp16 at an 8-plane parent: the byte-code bodies (5-7 bits) under fp16's MAGIC, one and two chains per word
+    # fp16 at an 8-plane parent: the byte-code bodies (5-7 bits) under fp16's MAGIC, at one and two n-tiles
     for cfg in (FoldConfig(1), FoldConfig(2, split_chains=True)):
         jobs.append(functools.partial(compile_to_cubin, gemv_defines(mode, cfg, 8, 128, 1, out=1), "90"))
     if mode != 2:
@@ -505,7 +505,7 @@ def reference_layouts() -> list[tuple[FoldConfig, FoldConfig]]:
     layouts.append((FoldConfig(1, shared_act=True, stage_chunks=8, ring_kb=32), FoldConfig(1, shared_act=True, row_tiles=2, ring_kb=16)))
     layouts.append((FoldConfig(2, wk=2, shared_act=True, row_tiles=2, ring_kb=16, min_blocks=3),
                     FoldConfig(2, row_tiles=2, ring_kb=16, min_blocks=3, shared_act=True)))
-    # three ring stages; two mma chains per code word (q <= 7; q = 8 ignores it)
+    # three ring stages; two mma chains per code word (q <= 4; q > 4 ignores it)
     layouts.append((FoldConfig(1, shared_act=True, sa_stages=3, ring_kb=12),
                     FoldConfig(1, k_per_split=128, shared_act=True, sa_stages=3, ring_kb=12, split_chains=True)))
     layouts.append((FoldConfig(2, shared_act=True, split_chains=True), FoldConfig(2, k_per_split=256, split_chains=True)))
