@@ -103,29 +103,38 @@ __device__ __forceinline__ u32 lop3_sel(u32 a, u32 b, u32 m) {  // (a & m) | (b 
     return d;
 }
 
+// The two stages swap independent index bits (row bit 1 <-> column bit 1, row bit 0 <-> column bit 0), so either
+// order transposes; BIT0_FIRST where rows 0 and 1 are both zero: the first stage then skips that pair.
+template <bool BIT0_FIRST = false>
 __device__ __forceinline__ void transpose4(u32* w) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {  // rows r, r + 2: bits 2-3 of row r <-> bits 0-1 of row r + 2
-        const u32 a = w[r], b = w[r + 2];
-        w[r] = lop3_sel(a, b << 2, 0x33333333u);
-        w[r + 2] = lop3_sel(b, a >> 2, 0xCCCCCCCCu);
-    }
+    for (int st = 0; st < 2; ++st) {
+        if ((st == 0) != BIT0_FIRST) {
 #pragma unroll
-    for (int r = 0; r < 4; r += 2) {  // rows r, r + 1: bits 1, 3 of row r <-> bits 0, 2 of row r + 1
-        const u32 a = w[r], b = w[r + 1];
-        w[r] = lop3_sel(a, b << 1, 0x55555555u);
-        w[r + 1] = lop3_sel(b, a >> 1, 0xAAAAAAAAu);
+            for (int r = 0; r < 2; ++r) {  // rows r, r + 2: bits 2-3 of row r <-> bits 0-1 of row r + 2
+                const u32 a = w[r], b = w[r + 2];
+                w[r] = lop3_sel(a, b << 2, 0x33333333u);
+                w[r + 2] = lop3_sel(b, a >> 2, 0xCCCCCCCCu);
+            }
+        } else {
+#pragma unroll
+            for (int r = 0; r < 4; r += 2) {  // rows r, r + 1: bits 1, 3 of row r <-> bits 0, 2 of row r + 1
+                const u32 a = w[r], b = w[r + 1];
+                w[r] = lop3_sel(a, b << 1, 0x55555555u);
+                w[r + 1] = lop3_sel(b, a >> 1, 0xAAAAAAAAu);
+            }
+        }
     }
 }
 
 // nibble codes of inputs 4 i + j (j = 0..3) from NP plane words (plane p -> bit TOP - p, NP <= TOP + 1 <= 4; the
-// bits of missing planes 0)
-template <int NP, int TOP = 3>
+// bits of missing planes 0); BIT0_FIRST: transpose4's stage order (the same codes)
+template <int NP, int TOP = 3, bool BIT0_FIRST = false>
 __device__ __forceinline__ void codes_of(const u32* planes, u32* out) {
     static_assert(NP >= 1 && NP <= TOP + 1 && TOP <= 3, "codes_of: NP planes at bits TOP .. TOP - NP + 1 of a nibble");
 #pragma unroll
     for (int r = 0; r < 4; ++r) out[r] = r <= TOP && TOP - r < NP ? planes[TOP - r] : 0u;
-    transpose4(out);
+    transpose4<BIT0_FIRST>(out);
 }
 
 // the mma operand (BIAS + c_e, BIAS + c_{e+4}) of nibbles e and e + 4 of v

@@ -651,9 +651,9 @@ __device__ __forceinline__ void warp_rows(const long long* prow, const u16* xf, 
                     u32 ca4[4], cb4[4], la4[4], lb4[4];
                     codes_of<NP_HI, BYTES ? 2 : 3>(wa, ca4);
                     codes_of<NP_HI, BYTES ? 2 : 3>(wb, cb4);
-                    if constexpr (NP_LO > 0) {
-                        codes_of<NP_LO>(wa + NP_HI, la4);
-                        codes_of<NP_LO>(wb + NP_HI, lb4);
+                    if constexpr (NP_LO > 0) {  // q = 5: lo's rows 0 and 1 are zero, its bit-0 stage goes first
+                        codes_of<NP_LO, 3, Q == 5>(wa + NP_HI, la4);
+                        codes_of<NP_LO, 3, Q == 5>(wb + NP_HI, lb4);
                     }
                     float(*acc2)[4] = ACC_LO && Q != 8 ? acc_lo[r % RL] : acc[r];  // SPLIT: the e0 = 2 mma
 #pragma unroll

@@ -211,16 +211,19 @@ def _sel(a: int, b: int, m: int) -> int:  # lop3 0xE4: (a & m) | (b & ~m)
     return ((a & m) | (b & ~m)) & _M32
 
 
-def _codes_of(planes: list[int], np_: int, top: int = 3) -> list[int]:
-    """cuda_common.cuh codes_of<NP, TOP>: the planes reversed (plane p -> bit top - p) through the two delta-swap
-    stages."""
+def _codes_of(planes: list[int], np_: int, top: int = 3, bit0_first: bool = False) -> list[int]:
+    """cuda_common.cuh codes_of<NP, TOP, BIT0_FIRST>: the planes reversed (plane p -> bit top - p) through the two
+    delta-swap stages (rows r, r + 2 by 2 bits; rows r, r + 1 by 1 bit), in either order."""
     w = [planes[top - r] if r <= top and top - r < np_ else 0 for r in range(4)]
-    for r in range(2):
-        a, b = w[r], w[r + 2]
-        w[r], w[r + 2] = _sel(a, (b << 2) & _M32, 0x33333333), _sel(b, a >> 2, 0xCCCCCCCC)
-    for r in (0, 2):
-        a, b = w[r], w[r + 1]
-        w[r], w[r + 1] = _sel(a, (b << 1) & _M32, 0x55555555), _sel(b, a >> 1, 0xAAAAAAAA)
+    for stage in ((1, 2) if bit0_first else (2, 1)):
+        if stage == 2:
+            for r in range(2):
+                a, b = w[r], w[r + 2]
+                w[r], w[r + 2] = _sel(a, (b << 2) & _M32, 0x33333333), _sel(b, a >> 2, 0xCCCCCCCC)
+        else:
+            for r in (0, 2):
+                a, b = w[r], w[r + 1]
+                w[r], w[r + 1] = _sel(a, (b << 1) & _M32, 0x55555555), _sel(b, a >> 1, 0xAAAAAAAA)
     return w
 
 
@@ -264,7 +267,7 @@ def _lane_code_pairs(q: int, words: list[int], magic: int) -> list[list[list[int
     """What one lane hands the mma for one row: per code chain (q <= 7: one; q = 8: hi then lo), per word j, the
     operands of nibbles (e, e + 4), e = 0..3, as warp_rows forms them from the row's q plane words."""
     if 5 <= q <= 7:  # one chain of byte codes c << (7 - q): planes 0-2 (hi, from bit 2) and 3.. (lo, from bit 3)
-        hi, lo = _codes_of(words[:3], 3, top=2), _codes_of(words[3:], q - 3)
+        hi, lo = _codes_of(words[:3], 3, top=2), _codes_of(words[3:], q - 3, bit0_first=q == 5)
         return [[_byte_pairs(hi[j], lo[j], magic) for j in range(4)]]
     nibble_words = [_codes_of(words[:4], min(q, 4))] + ([_codes_of(words[4:], 4)] if q == 8 else [])
     return [[[((v[j] >> (4 * e)) & 0x000F000F) | magic for e in range(4)] for j in range(4)] for v in nibble_words]
