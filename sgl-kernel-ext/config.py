@@ -224,17 +224,15 @@ def prefer_fold(num_tokens: int, topk: int, num_experts: int, intermediate: int)
 
 # The grouped kernel (cuda_grouped.py, CUDA, ubcq, groups of a multiple of 128) is asked after the fold, MMA and LUT
 # kernels: from GROUPED_MIN_PAIRS_PER_EXPERT pairs per expected expert hit it replaces the tile kernels and the
-# dequantize-then-GEMM prefill path (it decodes the planes in its mainloop: no scratch).
-# Up to GROUPED_MAX_PAIRS_PER_EXPERT: beyond it the dequantize-then-GEMM path, which rebuilds each expert once
-# into a scratch, is still faster. With 256-row blocks (session 28, H100, docs/results/kernel.md) the grouped kernel
-# wins up to ~550 pairs per expert (Mixtral M = 2048, 512 per expert: 4.26 vs 4.86 ms; Qwen3-30B-A3B and
-# Qwen1.5-MoE at M = 8192: 2.81 vs 2.90, 2.21 vs 2.46) and loses at 2048 (Mixtral M = 8192: 16.0 vs 14.5 ms).
+# dequantize-then-GEMM prefill path at every larger size (it decodes the planes in its mainloop: no scratch of
+# dequantized experts). A call past its own size limits (grouped_call_unsupported: 32-bit activation offsets, 65535
+# token blocks) still falls to the Triton path (api.auto_moe_kernel). Measured against that path above 1024 pairs
+# per expert: docs/results/kernel.md, session 37.
 GROUPED_MIN_PAIRS_PER_EXPERT = 16.0
-GROUPED_MAX_PAIRS_PER_EXPERT = 1024.0  # between the two measured sides
 
 
 def prefer_grouped(num_tokens: int, topk: int, num_experts: int) -> bool:
     """Whether the grouped kernel is the default for this routing size (ubcq tables it can read; others fall
     through to the tile / prefill rules)."""
     hit = max(expected_experts_hit(num_tokens, topk, num_experts), 1.0)
-    return GROUPED_MIN_PAIRS_PER_EXPERT <= num_tokens * topk / hit < GROUPED_MAX_PAIRS_PER_EXPERT
+    return GROUPED_MIN_PAIRS_PER_EXPERT <= num_tokens * topk / hit

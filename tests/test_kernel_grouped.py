@@ -243,22 +243,44 @@ def test_lanes_feed_mma_the_dot_product(q):
 
 
 def test_dispatch_rule():
-    """From 16 to 1024 pairs per expected expert hit (the fold, MMA and LUT rules are asked first; beyond it the
-    dequantize-then-GEMM path)."""
+    """From 16 pairs per expected expert hit up, at every size (the fold, MMA and LUT rules are asked first); the
+    dequantize-then-GEMM path keeps only calls past the kernel's own size limits."""
     assert prefer_grouped(256, 2, 8) and prefer_grouped(2048, 8, 128) and prefer_grouped(512, 4, 60)
     assert prefer_grouped(2048, 2, 8) and prefer_grouped(8192, 8, 128) and prefer_grouped(8192, 4, 60)
     assert not prefer_grouped(16, 2, 8) and not prefer_grouped(64, 8, 128) and not prefer_grouped(1, 8, 128)
-    assert not prefer_grouped(4096, 2, 8) and not prefer_grouped(8192, 2, 8)
+    # past the old bound of 1024 pairs per expert: Mixtral M = 8192, Qwen3-30B-A3B 32768 (e2e batch 16 x 2048)
+    assert prefer_grouped(4096, 2, 8) and prefer_grouped(8192, 2, 8) and prefer_grouped(32768, 8, 128)
+
+
+def test_prefill_of_any_size_takes_the_grouped_kernel(monkeypatch):
+    """kernel="auto" on a GPU: a 16 x 2048-token prefill of Qwen3-30B-A3B (32768 tokens in one forward, 2048 pairs per
+    expert) and Mixtral at 8192 tokens run the grouped kernel, not the dequantize-then-GEMM path and its scratch."""
+    from types import SimpleNamespace
+
+    import pagedweight.kernels.cuda_fold as cuda_fold
+    import pagedweight.kernels.cuda_grouped as cuda_grouped
+    import pagedweight.kernels.cuda_lut as cuda_lut
+    import pagedweight.kernels.cuda_mma as cuda_mma
+    from pagedweight.kernels.api import auto_moe_kernel
+
+    # as if on a GPU: every CUDA kernel can take ubcq planes of these shapes, so only the size rules choose
+    for module, name in ((cuda_grouped, "grouped_unsupported"), (cuda_fold, "fold_unsupported"),
+                         (cuda_mma, "mma_unsupported"), (cuda_lut, "lut_unsupported")):
+        monkeypatch.setattr(module, name, lambda w: None)
+    monkeypatch.setattr(cuda_grouped, "grouped_moe_unsupported", lambda a, b: None)
+    monkeypatch.setattr(cuda_fold, "fold_moe_unsupported", lambda a, b: None)
+    for e, topk, h, i, m in ((128, 8, 2048, 768, 32768), (8, 2, 4096, 14336, 8192), (60, 4, 2048, 1408, 16384)):
+        w13 = SimpleNamespace(K=h, N=2 * i, num_experts=e, group_size=128, table_kind="ubcq", grouped=False)
+        w2 = SimpleNamespace(K=i, N=h, num_experts=e, group_size=128, table_kind="ubcq", grouped=False)
+        assert auto_moe_kernel(m, topk, w13, w2) == "grouped", (e, m)
 
 
 def test_calls_past_the_size_limits_go_elsewhere(monkeypatch):
     """A call past the grouped kernel's 32-bit activation offsets (or 65535 token blocks) is refused by the kernel in
-    one line and never picked by kernel="auto", whatever the pairs-per-expert rule says: Mixtral's shapes with that
-    rule's upper bound lifted, grouped at 8192 tokens, the Triton path at 131072 (w2's input: 262144 pairs x 14336
-    inputs), and the top-k times larger input rows when the router weight is applied on the input."""
+    one line and never picked by kernel="auto", whatever the pairs-per-expert rule says: Mixtral's shapes, grouped at
+    8192 tokens, the Triton path at 131072 (w2's input: 262144 pairs x 14336 inputs), and the top-k times larger input rows when the router weight is applied on the input."""
     from types import SimpleNamespace
 
-    import pagedweight.kernels.config as config
     import pagedweight.kernels.cuda_grouped as cuda_grouped
     from pagedweight.kernels.api import auto_moe_kernel
     from pagedweight.kernels.cuda_grouped import grouped_call_unsupported
@@ -278,7 +300,6 @@ def test_calls_past_the_size_limits_go_elsewhere(monkeypatch):
                                     SimpleNamespace(K=128), 64, False).endswith("65535 blocks of 64 pairs at hidden 128 "
                                                                                 "/ intermediate 128")
 
-    monkeypatch.setattr(config, "GROUPED_MAX_PAIRS_PER_EXPERT", float("inf"))
     monkeypatch.setattr(cuda_grouped, "grouped_unsupported", lambda w: None)  # as if on a GPU
     monkeypatch.setattr(cuda_grouped, "grouped_moe_unsupported", lambda a, b: None)
     assert auto_moe_kernel(8192, 2, w13, w2) == "grouped"
