@@ -16,11 +16,15 @@
 // scheduler to hide each other's latencies.
 // Per chunk each warp (32 rows) takes its rows' plane words by ldmatrix (the 4 x 4 word transposition
 // of the fold kernel: lane quarter t of a chunk in lane t), bit-transposes them into nibble codes (two delta-swap
-// stages), and builds each weight pair of an mma fragment with one lop3 and one packed fma, centred:
+// stages), and builds each weight pair of an mma fragment with one lop3 (q = 5..7: one prmt) and one packed fma,
+// centred:
 //     W' = fma(BIAS + c, A, C) = A (c - K0) + eps,   C = round(-(BIAS + K0) A),  eps = C + (BIAS + K0) A
 // (bf16: BIAS = 128, MAGIC | c is BIAS + c exactly; K0 the middle of the code range), A = 2 s 2^(q-4) for q <= 4
-// (the nibble holds c << (4 - q)); fp16 (where (1024 + K0) A may overflow) forms c - K0 exactly and multiplies by A. q > 4 reads
-// c << (8 - q) = 16 hi + lo from two nibble sets, c formed exactly (c <= 255), A = 2 s 2^(q-8). The
+// (the nibble holds c << (4 - q)). q = 5..7 the same with the 7-bit byte c << (7 - q) (at most 127, so MAGIC | c is
+// exact in bf16 too), A = 2 s 2^(q-7): planes 0-2 and 3.. are transposed into two nibble words, joined into the bytes
+// of the even and odd nibbles (byte_codes), and each pair is one prmt under MAGIC (byte_pair, in code_pair's slots).
+// fp16 (where (1024 + K0) A may overflow) forms c - K0 exactly and multiplies by A. q = 8 (255 needs 8 mantissa
+// bits, bf16 has 7) reads c = 16 hi + lo from two nibble sets, formed exactly in two packed fmas, A = 2 s. The
 // offset enters once per (row, group, pair) in fp32: y += (z + K0 A - eps) S, S the group's activation sum. The
 // centring keeps W' as small as the weight itself, so rounding A to 16 bits costs 2^-9 of the result rather than
 // of a large z S that the codes' term would have to cancel.
@@ -313,8 +317,6 @@ template <int Q>
 __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, const float* xs, int n_table, int K,
                                          int row_tile, int n_out, unsigned char* smem, const int* slot_unit,
                                          float (*acc)[NPW / 8][4], int issued) {
-    constexpr int NP_HI = Q < 4 ? Q : 4;
-    constexpr int NP_LO = Q > 4 ? Q - 4 : 0;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     const int wr = warp & 3, wn = WGR >= 2 ? 0 : warp >> 2, wgr = WGR >= 2 ? warp >> 2 : 0;
@@ -413,7 +415,8 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
         const u64 desc0 = wg_desc(sb + (u32)(NPW * wn * 128), 16, 1024);  // this warpgroup's pairs of the chunk
 #endif
 
-        // codes of this lane's rows: [tile][row g / g + 8][word j]
+        // codes of this lane's rows: [tile][row g / g + 8][word j] (plane_codes: q = 5..7 hi / lo hold the bytes of
+        // the even / odd nibbles)
         u32 hi[TPW][2][4], lo[TPW][2][4];
 #pragma unroll
         for (int a = 0; a < (DIAG & 1 ? 0 : TPW); ++a) {
@@ -423,12 +426,7 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
                 ldsm_x4(sb + pl_addr0 + 2 * pp * PL_STAGE + TILE(wgr, wr, a) * 256, wa[2 * pp], wb[2 * pp],
                         wa[2 * pp + 1], wb[2 * pp + 1]);
             if (Q & 1) ldsm_x2(sb + pl_addr_odd + TILE(wgr, wr, a) * 256, wa[Q - 1], wb[Q - 1]);
-            codes_of<NP_HI>(wa, hi[a][0]);
-            codes_of<NP_HI>(wb, hi[a][1]);
-            if constexpr (NP_LO > 0) {
-                codes_of<NP_LO>(wa + 4, lo[a][0]);
-                codes_of<NP_LO>(wb + 4, lo[a][1]);
-            }
+            plane_codes<Q>(wa, wb, hi[a], lo[a]);
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -441,17 +439,17 @@ __device__ __forceinline__ void mainloop(const long long* prow, const u16* x, co
                     af[a][0] = af[a][2] = rc[a][0].a2;
                     af[a][1] = af[a][3] = rc[a][1].a2;
 #elif OFFW
-                    af[a][0] = weight_pair_ow<Q>(hi[a][0][j], NP_LO > 0 ? lo[a][0][j] : 0u, e0, rc[a][0].a2, z2[a][0]);
-                    af[a][1] = weight_pair_ow<Q>(hi[a][1][j], NP_LO > 0 ? lo[a][1][j] : 0u, e0, rc[a][1].a2, z2[a][1]);
-                    af[a][2] = weight_pair_ow<Q>(hi[a][0][j], NP_LO > 0 ? lo[a][0][j] : 0u, e0 + 1, rc[a][0].a2,
+                    af[a][0] = weight_pair_ow<Q>(hi[a][0][j], Q > 4 ? lo[a][0][j] : 0u, e0, rc[a][0].a2, z2[a][0]);
+                    af[a][1] = weight_pair_ow<Q>(hi[a][1][j], Q > 4 ? lo[a][1][j] : 0u, e0, rc[a][1].a2, z2[a][1]);
+                    af[a][2] = weight_pair_ow<Q>(hi[a][0][j], Q > 4 ? lo[a][0][j] : 0u, e0 + 1, rc[a][0].a2,
                                                  z2[a][0]);
-                    af[a][3] = weight_pair_ow<Q>(hi[a][1][j], NP_LO > 0 ? lo[a][1][j] : 0u, e0 + 1, rc[a][1].a2,
+                    af[a][3] = weight_pair_ow<Q>(hi[a][1][j], Q > 4 ? lo[a][1][j] : 0u, e0 + 1, rc[a][1].a2,
                                                  z2[a][1]);
 #else
-                    af[a][0] = weight_pair<Q>(hi[a][0][j], NP_LO > 0 ? lo[a][0][j] : 0u, e0, rc[a][0]);
-                    af[a][1] = weight_pair<Q>(hi[a][1][j], NP_LO > 0 ? lo[a][1][j] : 0u, e0, rc[a][1]);
-                    af[a][2] = weight_pair<Q>(hi[a][0][j], NP_LO > 0 ? lo[a][0][j] : 0u, e0 + 1, rc[a][0]);
-                    af[a][3] = weight_pair<Q>(hi[a][1][j], NP_LO > 0 ? lo[a][1][j] : 0u, e0 + 1, rc[a][1]);
+                    af[a][0] = weight_pair<Q>(hi[a][0][j], Q > 4 ? lo[a][0][j] : 0u, e0, rc[a][0]);
+                    af[a][1] = weight_pair<Q>(hi[a][1][j], Q > 4 ? lo[a][1][j] : 0u, e0, rc[a][1]);
+                    af[a][2] = weight_pair<Q>(hi[a][0][j], Q > 4 ? lo[a][0][j] : 0u, e0 + 1, rc[a][0]);
+                    af[a][3] = weight_pair<Q>(hi[a][1][j], Q > 4 ? lo[a][1][j] : 0u, e0 + 1, rc[a][1]);
 #endif
                 }
 #if DIAG & 2

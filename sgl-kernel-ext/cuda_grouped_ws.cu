@@ -96,8 +96,6 @@ __device__ __forceinline__ int weight_row(int r, int row_tile, int n_out) {
 template <int Q>
 __device__ __forceinline__ void producer(const long long* prow, const u16* x, const float* xs, int n_table, int K,
                                          int row_tile, int n_out, unsigned char* smem, const int* slot_unit) {
-    constexpr int NP_HI = Q < 4 ? Q : 4;
-    constexpr int NP_LO = Q > 4 ? Q - 4 : 0;
     const int ptid = threadIdx.x - NCONS, pw = ptid >> 5, lane = ptid & 31;
     const int g = lane >> 2, t = lane & 3;
     const int chunks = K / CHUNK, ngroups = K / G;
@@ -184,12 +182,7 @@ __device__ __forceinline__ void producer(const long long* prow, const u16* x, co
                 ldsm_x4(sb + pl_addr0 + 2 * pp * PL_STAGE + T * 256, wa[2 * pp], wb[2 * pp], wa[2 * pp + 1],
                         wb[2 * pp + 1]);
             if (Q & 1) ldsm_x2(sb + pl_addr_odd + T * 256, wa[Q - 1], wb[Q - 1]);
-            codes_of<NP_HI>(wa, hi[0]);
-            codes_of<NP_HI>(wb, hi[1]);
-            if constexpr (NP_LO > 0) {
-                codes_of<NP_LO>(wa + 4, lo[0]);
-                codes_of<NP_LO>(wb + 4, lo[1]);
-            }
+            plane_codes<Q>(wa, wb, hi, lo);
             // the pair of nibbles (e, e + 4) of code word j is inputs (2 t, 2 t + 1) of piece 4 j + e: rows
             // 16 T + g and + 8 share the swizzle (row & 7 = g)
             const u32 row_base = wt + (u32)((16 * T + g) * 128 + 4 * t);
@@ -199,8 +192,8 @@ __device__ __forceinline__ void producer(const long long* prow, const u16* x, co
                 for (int e = 0; e < 4; ++e) {
                     const int p = 4 * j + e;
                     const u32 addr = row_base + (u32)((p >> 3) * BROWS * 128 + (((p & 7) ^ g) << 4));
-                    st_shared(addr, weight_pair<Q>(hi[0][j], NP_LO > 0 ? lo[0][j] : 0u, e, rc[a][0]));
-                    st_shared(addr + 8 * 128, weight_pair<Q>(hi[1][j], NP_LO > 0 ? lo[1][j] : 0u, e, rc[a][1]));
+                    st_shared(addr, weight_pair<Q>(hi[0][j], Q > 4 ? lo[0][j] : 0u, e, rc[a][0]));
+                    st_shared(addr + 8 * 128, weight_pair<Q>(hi[1][j], Q > 4 ? lo[1][j] : 0u, e, rc[a][1]));
                 }
         }
         bar_arrive(BAR_FULL + (c & 1), NTHREADS);

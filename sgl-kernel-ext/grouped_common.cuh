@@ -102,36 +102,46 @@ struct RowCoef {  // one row's group: packed A and C (bf16: the weight is fma(BI
     float z;
 };
 
+// Bits of a code as the weight pairs read it, c << (W - q): a nibble (q <= 4); a 7-bit byte (q = 5..7: at most 127,
+// so MAGIC | c is BIAS + c exactly in bf16 too, and a pair is one prmt); q = 8 (255 needs 8 mantissa bits, bf16 has
+// 7) 16 hi + lo from two nibbles, formed exactly by two packed fmas
+template <int Q>
+__device__ __forceinline__ constexpr int code_bits() {
+    return Q <= 4 ? 4 : Q <= 7 ? 7 : 8;
+}
+
 // the group's offset: W = A c + z with z = o - s (2^q - 1) (ubcq: sum_p s 2^(q-1-p) (2 bit_p - 1) + o)
 template <int Q>
 __device__ __forceinline__ float group_offset(float s, float o) {
     return o - s * (float)((1 << Q) - 1);
 }
 
-// A, the weight step of one code unit: 2 s per code, in nibble (q <= 4: c << (4 - q)) or byte (q > 4) units
+// A, the weight step of one code unit: 2 s per code, in units of c << (W - q) (code_bits)
 template <int Q>
 __device__ __forceinline__ float code_step(float s) {
-    return 2.f * s * __int_as_float((127 + (Q <= 4 ? Q - 4 : Q - 8)) << 23);
+    return 2.f * s * __int_as_float((127 + Q - code_bits<Q>()) << 23);
 }
 
 // The weights enter centred, W' = A (c - K0) (+ a known constant), K0 the middle of the code range, and the
 // group's offset z + K0 A (less that constant) is applied in fp32: no large term of W' cancels
 // against a large z S, so the rounding of A to the compute type costs 2^-9 of the result, not of the offset.
 // bf16: one fma (BIAS + c) A + C with C = round(-(BIAS + K0) A): the product and the sum are exact before the one
-// rounding; C's own rounding error eps = C + (BIAS + K0) A is exact in fp32 and moves into the offset.
+// rounding; C's own rounding error eps = C + (BIAS + K0) A is exact in fp32 and moves into the offset. q = 8 forms
+// c exactly first (exact_code_pair), so its C is round(-K0 A).
 // fp16 (where (1024 + K0) A may overflow): c exactly, then c - K0 exactly, then one multiply by A.
 template <int Q>
 __device__ __forceinline__ RowCoef make_row_coef(u16 s16, u16 o16) {
+    constexpr int W = code_bits<Q>();
     const float s = h2f(s16), o = h2f(o16);
     const float z = group_offset<Q>(s, o);
     const float a = code_step<Q>(s);
-    // the middle of the code range: (2^q - 1) / 2 in nibble (q <= 4) or byte (q > 4) units
-    const float k0 = (float)((1 << Q) - 1) * __int_as_float((127 + (Q <= 4 ? 3 - Q : 7 - Q)) << 23);
+    // the middle of the code range: (2^q - 1) / 2 in units of c << (W - q)
+    const float k0 = (float)((1 << Q) - 1) * __int_as_float((127 + W - 1 - Q) << 23);
     RowCoef c;
     c.a2 = splat(a);
     const float ar = ct2f((u16)c.a2);  // A as the compute type holds it
 #if CT == 0
-    const float k = Q <= 4 ? 128.f + k0 : k0;  // q > 4 forms c exactly first (no BIAS left in it)
+    const float k = W == 8 ? k0 : 128.f + k0;  // q = 8 forms c exactly first (no BIAS left in it)
     c.c2 = splat(-k * ar);
     const float eps = ct2f((u16)c.c2) + k * ar;  // exact: both terms are bf16 products with few bits
 #else
@@ -146,25 +156,61 @@ __device__ __forceinline__ RowCoef make_row_coef(u16 s16, u16 o16) {
 struct CodeConst {
 #if CT == 0
     static constexpr u32 NEG_BIAS = 0xC300C300u, ONE = 0x3F803F80u, SIXTEEN = 0x41804180u;
-    static constexpr u32 NEG_BIAS_8 = 0xC308C308u;  // -(BIAS + 8)
+    static constexpr u32 NEG_BIAS_8 = 0xC308C308u, NEG_BIAS_64 = 0xC340C340u;  // -(BIAS + 8), -(BIAS + 64)
     static constexpr u32 NEG_17BIAS = 0xC508C508u, NEG_17BIAS_128 = 0xC510C510u;  // -17 BIAS, -(17 BIAS + 128)
 #else
     static constexpr u32 NEG_BIAS = 0xE400E400u, ONE = 0x3C003C00u, SIXTEEN = 0x4C004C00u;
-    static constexpr u32 NEG_BIAS_8 = 0xE408E408u;
+    static constexpr u32 NEG_BIAS_8 = 0xE408E408u, NEG_BIAS_64 = 0xE440E440u;
     static constexpr u32 NEG_17BIAS = 0xF440F440u, NEG_17BIAS_128 = 0xF448F448u;
 #endif
     static constexpr u32 NEG_ZERO = 0x80008000u;
 };
 
-// the codes of the nibbles (e, e + 4) exactly in the compute type: q <= 4 from one code word, q > 4 16 hi + lo
-// (<= 255) from the hi and lo words; CENTRED: less KC = 8 nibble or 128 byte units (still exact).
-// q > 4 in two packed fmas: 16 (BIAS + hi) - 17 BIAS (- 128) = 16 hi - BIAS (- 128), a multiple of 16 the compute
+// The code words of one lane's 32 inputs of rows g (wa: its Q plane words) and g + 8 (wb), word j of row h in
+// hi[h][j] / lo[h][j]: q <= 4 hi only, nibbles c << (4 - q); q = 8 the nibbles of planes 0-3 (hi) and 4-7 (lo);
+// q = 5..7 the 7-bit bytes c << (7 - q) (byte_codes): planes 0-2 transposed one bit lower (bits 6..4 of the byte)
+// and planes 3.. (bits 3..0; at 5 bits rows 0 and 1 of that word are zero, so its bit-0 stage goes first), joined
+// into hi = the bytes of the even nibbles, lo = those of the odd ones.
+template <int Q>
+__device__ __forceinline__ void plane_codes(const u32* wa, const u32* wb, u32 (*hi)[4], u32 (*lo)[4]) {
+    if constexpr (Q >= 5 && Q <= 7) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            codes_of<3, 2>(h ? wb : wa, hi[h]);
+            codes_of<Q - 3, 3, Q == 5>((h ? wb : wa) + 3, lo[h]);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) byte_codes(hi[h][j], lo[h][j], hi[h][j], lo[h][j]);
+        }
+    } else {
+        codes_of<Q < 4 ? Q : 4>(wa, hi[0]);
+        codes_of<Q < 4 ? Q : 4>(wb, hi[1]);
+        if constexpr (Q == 8) {
+            codes_of<4>(wa + 4, lo[0]);
+            codes_of<4>(wb + 4, lo[1]);
+        }
+    }
+}
+
+// q <= 7: the operand (BIAS + c_e, BIAS + c_{e+4}) of nibbles (e, e + 4) of code word j (plane_codes' hi / lo words)
+template <int Q>
+__device__ __forceinline__ u32 magic_pair(u32 hi, u32 lo, int e) {
+    static_assert(Q <= 7, "q = 8 forms its codes from two nibbles (exact_code_pair)");
+    if (Q <= 4) return code_pair(hi, e);
+    return e == 0 ? byte_pair<0>(hi, lo) : e == 1 ? byte_pair<1>(hi, lo) : e == 2 ? byte_pair<2>(hi, lo)
+                                                                                 : byte_pair<3>(hi, lo);
+}
+
+// the codes of the nibbles (e, e + 4) exactly in the compute type: q <= 7 BIAS + c less BIAS, q = 8 16 hi + lo
+// (<= 255) from the hi and lo words; CENTRED: less KC = 2^(W - 1) (8 nibble, 64 7-bit or 128 byte units; still
+// exact: bf16 holds the integers to 256).
+// q = 8 in two packed fmas: 16 (BIAS + hi) - 17 BIAS (- 128) = 16 hi - BIAS (- 128), a multiple of 16 the compute
 // type holds exactly (bf16: at most 256 in magnitude, fp16: under 2048), then (BIAS + lo) plus it is the code (less
 // 128), an integer under 256: both sums exact
 template <int Q, bool CENTRED = false>
 __device__ __forceinline__ u32 exact_code_pair(u32 hi, u32 lo, int e) {
     using K = CodeConst;
-    if (Q <= 4) return pfma(code_pair(hi, e), K::ONE, CENTRED ? K::NEG_BIAS_8 : K::NEG_BIAS);
+    if constexpr (Q <= 4) return pfma(code_pair(hi, e), K::ONE, CENTRED ? K::NEG_BIAS_8 : K::NEG_BIAS);
+    if constexpr (Q <= 7) return pfma(magic_pair<Q>(hi, lo, e), K::ONE, CENTRED ? K::NEG_BIAS_64 : K::NEG_BIAS);
     const u32 hi_part = pfma(code_pair(hi, e), K::SIXTEEN, CENTRED ? K::NEG_17BIAS_128 : K::NEG_17BIAS);
     return pfma(code_pair(lo, e), K::ONE, hi_part);
 }
@@ -174,21 +220,21 @@ template <int Q>
 __device__ __forceinline__ u32 weight_pair(u32 hi, u32 lo, int e, const RowCoef& rc) {
     using K = CodeConst;
 #if CT == 0
-    if (Q <= 4) return pfma(code_pair(hi, e), rc.a2, rc.c2);  // (BIAS + c) A + C in one fma
-    return pfma(exact_code_pair<Q>(hi, lo, e), rc.a2, rc.c2);
+    if constexpr (Q <= 7) return pfma(magic_pair<Q>(hi, lo, e), rc.a2, rc.c2);  // (BIAS + c) A + C in one fma
+    else return pfma(exact_code_pair<Q>(hi, lo, e), rc.a2, rc.c2);
 #else
     return pfma(pfma(exact_code_pair<Q>(hi, lo, e), K::ONE, rc.c2), rc.a2, K::NEG_ZERO);
 #endif
 }
 
-// offset_in_weights (OFFW): the whole weight per pair, centred: (c - KC) A + (z + KC A), KC = 8 nibble or 128 byte
-// units (c - KC exact in the compute type), the offset term rounded once to the compute type. Centring matters: the
+// offset_in_weights (OFFW): the whole weight per pair, centred: (c - KC) A + (z + KC A), KC = 2^(W - 1) code units
+// (c - KC exact in the compute type), the offset term rounded once to the compute type. Centring matters: the
 // offset's rounding is the same for every weight of a row's group, so it adds up coherently over the group's inputs
 // (2^-9 of it times the group's activation sum), and z + KC A is about the group's middle weight where z alone is
 // -(2^q - 1) s. No offset pass over the accumulators, so nothing drains the MMAs at a group's end.
 template <int Q>
 __device__ __forceinline__ float centred_offset(float s, float o) {
-    return group_offset<Q>(s, o) + (Q <= 4 ? 8.f : 128.f) * code_step<Q>(s);
+    return group_offset<Q>(s, o) + (float)(1 << (code_bits<Q>() - 1)) * code_step<Q>(s);
 }
 
 // a2: A (RowCoef::a2), zc2: centred_offset, both splat in the compute type

@@ -41,7 +41,7 @@ from pagedweight.kernels.reference import ap_fused_moe_reference
 from pagedweight.kernels.testing import random_ap_projection
 from tests.support.cuda_kernel_cases import (assert_cubins, ptxas_report, check_graph_replay, check_moe_dtypes,
                                              compile_in_parallel, rel_err, routing, sass_of)
-from tests.test_kernel_fold import _codes_of
+from tests.test_kernel_fold import _half_value, _lane_code_pairs
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the grouped kernel is CUDA only")
@@ -136,6 +136,15 @@ def test_every_variant_compiles_for_sm90(mode):
             assert cfg.shared_bytes(bits_max) <= SHARED_LIMIT
             jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, bits_max, group, compute),
                                           gemm_arch(cfg, "90"), name=cfg.kernel_name, source=cfg.source))
+    # 5-7-bit byte codes and 8-bit nibble pairs in fp16 (wgmma and mma.sync, with and without the offset in the
+    # weights, the warp-specialized kernel) and the 64-tail (groups of 64) at an 8-plane parent
+    for cfg in (GroupedConfig(2, 3), GroupedConfig(2, 3, wgmma=False), *OW_CONFIGS[1:], WS_MAIN[1]):
+        assert cfg.shared_bytes(8) <= SHARED_LIMIT
+        jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, cfg, 8, 128, 1), gemm_arch(cfg, "90"),
+                                      name=cfg.kernel_name, source=cfg.source))
+    for compute in (0, 1):
+        jobs.append(functools.partial(compile_to_cubin, gemm_defines(mode, default_grouped_config(2048, 2, 8), 8, 64,
+                                                                     compute, tail64=True), "90a"))
     if mode == 0:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             jobs.append(functools.partial(compile_to_cubin, prep_defines(128, 0, dtype), "90", name="ap_grouped_prep"))
@@ -175,29 +184,92 @@ def _bf16(v: float) -> float:
     return torch.tensor(v, dtype=torch.float64).to(torch.bfloat16).double().item()
 
 
-def _coef(s: float, o: float, q: int) -> tuple[float, float, float, float]:
-    """cuda_grouped_gemm.cu make_row_coef (bf16): (A rounded, C rounded, the fp32 offset factor, K0)."""
-    a = 2 * s * 2.0 ** (q - 4 if q <= 4 else q - 8)
-    k0 = (2**q - 1) * 2.0 ** (3 - q if q <= 4 else 7 - q)  # the middle of the nibble / byte code range
-    ar = _bf16(a)
-    k = 128 + k0 if q <= 4 else k0
-    c = _bf16(-k * ar)
-    eps = c + k * ar
-    return ar, c, (o - s * (2**q - 1)) + k0 * a - eps, k0
+def _grouped_common() -> str:
+    from pathlib import Path
+
+    import pagedweight.kernels as kernels
+
+    return (Path(kernels.__file__).parent / "grouped_common.cuh").read_text()
+
+
+def _code_widths() -> dict[int, int]:
+    """grouped_common.cuh's code_bits per bitwidth (the code as the weight pairs read it: c << (W - q)), with the
+    row coefficients' forms that the emulation below follows (A = 2 s 2^(q-W), K0 = (2^q - 1) 2^(W-1-q), bf16's C
+    and the offset in the weights' KC = 2^(W - 1)) checked in the source."""
+    src = _grouped_common()
+    m = re.search(r"return Q <= 4 \? (\d) : Q <= 7 \? (\d) : (\d);", src)
+    forms = (r"__int_as_float\(\(127 \+ Q - code_bits<Q>\(\)\) << 23\)",  # code_step
+             r"\(float\)\(\(1 << Q\) - 1\) \* __int_as_float\(\(127 \+ W - 1 - Q\) << 23\)",  # K0
+             r"const float k = W == 8 \? k0 : 128\.f \+ k0;",  # bf16: C = round(-k A)
+             r"\(float\)\(1 << \(code_bits<Q>\(\) - 1\)\) \* code_step<Q>\(s\)")  # centred_offset's KC
+    assert m and all(re.search(f, src) for f in forms), "make_row_coef / code_bits changed form: update the emulation"
+    w4, w7, w8 = map(int, m.groups())
+    return {q: w4 if q <= 4 else w7 if q <= 7 else w8 for q in range(1, 9)}
+
+
+def _coef(s: float, o: float, q: int, ct: int = 0) -> tuple[float, float, float, float, int]:
+    """grouped_common.cuh make_row_coef: (A rounded to the compute type, C, the fp32 offset factor, K0, W)."""
+    w = _code_widths()[q]
+    rnd = _bf16 if ct == 0 else _f16
+    a = 2 * s * 2.0 ** (q - w)
+    k0 = (2**q - 1) * 2.0 ** (w - 1 - q)  # the middle of the code range, in units of c << (W - q)
+    ar = rnd(a)
+    if ct == 0:
+        k = 128 + k0 if w < 8 else k0  # q = 8 forms c exactly first
+        c = rnd(-k * ar)
+        eps = c + k * ar
+    else:
+        c, eps = -k0, 0.0
+        assert rnd(c) == c
+    return ar, c, (o - s * (2**q - 1)) + k0 * a - eps, k0, w
+
+
+def _f16(v: float) -> float:
+    return torch.tensor(v, dtype=torch.float64).to(torch.float16).double().item()
+
+
+@functools.lru_cache(maxsize=None)
+def _check_plane_split() -> None:
+    """grouped_common.cuh's plane_codes splits the planes as tests/test_kernel_fold.py's _lane_code_pairs emulates:
+    q = 5..7 planes 0-2 one bit lower and 3.. (bit-0 stage first at 5 bits) joined by byte_codes, else nibbles of
+    planes 0-3 and (q = 8) 4-7."""
+    src = _grouped_common()
+    body = src[src.index("void plane_codes("):src.index("u32 magic_pair(")]
+    split = (r"codes_of<3, 2>\(h \? wb : wa, hi\[h\]\);\s*"
+             r"codes_of<Q - 3, 3, Q == 5>\(\(h \? wb : wa\) \+ 3, lo\[h\]\);\s*#pragma unroll\s*"
+             r"for \(int j = 0; j < 4; \+\+j\) byte_codes\(hi\[h\]\[j\], lo\[h\]\[j\], hi\[h\]\[j\], lo\[h\]\[j\]\);",
+             r"codes_of<Q < 4 \? Q : 4>\(wa, hi\[0\]\);", r"codes_of<4>\(wa \+ 4, lo\[0\]\);")
+    assert all(re.search(f, body) for f in split), "plane_codes changed its plane split: update this emulation"
+
+
+def _lane_codes(q: int, words: list[int]) -> list[list[list[int]]]:
+    """The codes a lane's weight pairs read, per word j and nibble pair e: [j][e] = (code of nibble e, of e + 4) (c <<
+    (W - q)), from the bf16 mma operands the kernel forms from the row's q plane words (plane_codes, then code_pair,
+    byte_pair or q = 8's two nibble sets; tests/test_kernel_fold.py's emulation of the same cuda_common.cuh helpers,
+    whose plane split plane_codes is checked to keep)."""
+    _check_plane_split()
+    chains = _lane_code_pairs(q, words, 0x43004300)
+    vals = [[[[int(_half_value((p >> (16 * h)) & 0xFFFF, 0)) - 128 for h in range(2)] for p in word] for word in ch]
+            for ch in chains]
+    if q == 8:  # 16 hi + lo
+        return [[[16 * hv + lv for hv, lv in zip(vals[0][j][e], vals[1][j][e])] for e in range(4)] for j in range(4)]
+    return vals[0]
 
 
 def _weight(code: int, q: int, ar: float, c: float) -> float:
-    """The packed weight the kernel builds from one nibble (q <= 4) or byte (q > 4) code: one rounding."""
-    return _bf16((128 + code) * ar + c) if q <= 4 else _bf16(code * ar + c)
+    """The packed bf16 weight the kernel builds from one code c << (W - q): fma(BIAS + code, A, C) (q = 8: the code
+    formed exactly first, fma(code, A, C)), one rounding."""
+    return _bf16((128 + code) * ar + c) if q <= 7 else _bf16(code * ar + c)
 
 
 @pytest.mark.parametrize("q", range(1, 9))
 def test_lanes_feed_mma_the_dot_product(q):
     """One chunk (one group), 16 rows, 8 pairs, emulated lane by lane: the code words ldmatrix gives lane t, the
-    code pairs it builds and their centred packed weights fma(BIAS + c, A, C), the B fragments ldmatrix reads from
-    the prep order, mma.sync's slot semantics, then y += (z + K0 A - eps) S. Equal (float64) to the dot product
-    of the same per-weight values in input order, and within bf16 rounding of the exact W = 2 s c + z even for
-    all-positive activations (large S, where an uncentred weight loses the offset)."""
+    code pairs it builds (nibbles at 1-4 bits, 7-bit bytes at 5-7, two nibble sets at 8) and their centred packed
+    weights fma(BIAS + c, A, C), the B fragments ldmatrix reads from the prep order, mma.sync's slot semantics, then
+    y += (z + K0 A - eps) S. Equal (float64) to the dot product of the same per-weight values in input order, and
+    within bf16 rounding of the exact W = 2 s c + z even for all-positive activations (large S, where an uncentred
+    weight loses the offset)."""
     g = torch.Generator().manual_seed(q)
     codes = torch.randint(0, 2**q, (16, CHUNK), generator=g)
     s = (torch.rand(16, generator=g, dtype=torch.float64) + 0.5) * 2.0 ** -(q - 1)
@@ -213,8 +285,7 @@ def test_lanes_feed_mma_the_dot_product(q):
             # ldmatrix: lane t's word of each plane row = inputs 32 t .. 32 t + 31 of the chunk
             words = [[sum(((int(codes[r, 32 * t + b]) >> (q - 1 - p)) & 1) << b for b in range(32)) for p in range(q)]
                      for r in range(16)]
-            hi = [_codes_of(words[r][:4], min(q, 4)) for r in range(16)]
-            lo = [_codes_of(words[r][4:], q - 4) if q > 4 else [0] * 4 for r in range(16)]
+            lane = [_lane_codes(q, words[r]) for r in range(16)]
             for j in range(4):
                 for e0 in (0, 2):
                     a = torch.zeros(16, 16, dtype=torch.float64)
@@ -222,10 +293,7 @@ def test_lanes_feed_mma_the_dot_product(q):
                     for r in range(16):
                         for slot, e in ((2 * t, e0), (2 * t + 8, e0 + 1)):
                             for half in range(2):
-                                nib = e + 4 * half
-                                ch, cl = (hi[r][j] >> (4 * nib)) & 0xF, (lo[r][j] >> (4 * nib)) & 0xF
-                                code = ch if q <= 4 else 16 * ch + cl
-                                a[r, slot + half] = _weight(code, q, coef[r][0], coef[r][1])
+                                a[r, slot + half] = _weight(lane[r][j][e][half], q, coef[r][0], coef[r][1])
                     for col in range(8):  # B: pieces (j, e0), (j, e0 + 1) of pair row col, elements 2 t, 2 t + 1
                         for slot, piece in ((2 * t, 4 * j + e0), (2 * t + 8, 4 * j + e0 + 1)):
                             b[slot, col] = xp[col, piece * 8 + 2 * t]
@@ -233,13 +301,85 @@ def test_lanes_feed_mma_the_dot_product(q):
                     acc += a @ b
         zc = torch.tensor([cf[2] for cf in coef], dtype=torch.float64)
         y = acc + zc[:, None] * x.sum(dim=1)[None, :]
-        shift = 4 - q if q <= 4 else 8 - q  # nibble / byte code = c << shift
+        shift = coef[0][4] - q  # the code the pairs read: c << (W - q)
         w_kernel = torch.tensor([[_weight(int(codes[r, k]) << shift, q, coef[r][0], coef[r][1])
                                   for k in range(CHUNK)] for r in range(16)], dtype=torch.float64)
         torch.testing.assert_close(y, w_kernel @ x.t() + zc[:, None] * x.sum(dim=1)[None, :], rtol=1e-12, atol=1e-9)
         exact = (2 * s[:, None] * codes.double() + (o - s * (2**q - 1))[:, None]) @ x.t()
         err = float((y - exact).norm() / exact.norm())
         assert err < 1e-2, err  # (uncentred, all-positive activations: 2-20 %)
+
+
+@pytest.mark.parametrize("offw", [False, True], ids=["offset_pass", "offset_in_weights"])
+@pytest.mark.parametrize("ct", [0, 1], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("q", [5, 6, 7])
+def test_byte_code_weights_are_within_one_rounding_of_exact(q, ct, offw):
+    """q = 5..7, every code at every input of a lane's quarter: the operand the lane forms is BIAS + c7 exactly (c7 = c
+    << (7 - q), the bits the kernel's helpers give), and the weight the kernel builds from it (CodeConst's constants
+    as grouped_common.cuh writes them, make_row_coef's A, K0 and C) is within the rounding it claims of the exact
+    W = 2 s c + z: bf16 one fma (BIAS + c7) A + C plus the fp32 offset z + K0 A - eps; fp16 c7, then c7 - K0, both
+    exact, then one multiply by A; the offset in the weights (c7 - 64) exactly, then one fma with z + 64 A rounded once.
+    Each weight's error is the rounding of A (relative, on the centred term) plus one rounding of what the fma
+    forms (plus the centred offset's own rounding in the weights): bounded by the centred weight and offset, never by
+    z, which is what centring buys."""
+    dtype = torch.bfloat16 if ct == 0 else torch.float16
+    bias, u = (128.0, 2.0**-8) if ct == 0 else (1024.0, 2.0**-11)  # unit roundoff of the compute type
+    k = _code_constants(ct)
+    assert (k["NEG_BIAS"], k["ONE"], k["NEG_BIAS_64"]) == (-bias, 1.0, -(bias + 64))
+    kc = 2.0 ** (_code_widths()[q] - 1)  # the offset in the weights' centring: 64 7-bit units (CodeConst's BIAS + 64)
+    src = _grouped_common()
+    forms = (r"if constexpr \(Q <= 7\) return pfma\(magic_pair<Q>\(hi, lo, e\), K::ONE, CENTRED \? K::NEG_BIAS_64 : "
+             r"K::NEG_BIAS\);",  # exact_code_pair: BIAS + c7 less BIAS (+ 64)
+             r"if constexpr \(Q <= 7\) return pfma\(magic_pair<Q>\(hi, lo, e\), rc\.a2, rc\.c2\);",  # bf16 weight_pair
+             r"return pfma\(pfma\(exact_code_pair<Q>\(hi, lo, e\), K::ONE, rc\.c2\), rc\.a2, K::NEG_ZERO\);",  # fp16
+             r"return pfma\(exact_code_pair<Q, true>\(hi, lo, e\), a2, zc2\);")  # weight_pair_ow
+    assert all(re.search(f, src) for f in forms), "the weight pairs changed form: update this emulation"
+
+    def rnd(v: torch.Tensor) -> torch.Tensor:  # one rounding to the compute type (v exact in float64)
+        return v.to(dtype).double()
+
+    # every code at every position (input k holds code (r + k) mod 2^q), as the operand bits a lane forms
+    codes, pairs = [], []
+    for r in range(2**q):
+        cs = [(r + kk) % 2**q for kk in range(32)]
+        words = [sum(((cs[kk] >> (q - 1 - p)) & 1) << kk for kk in range(32)) for p in range(q)]
+        (chain,) = _lane_code_pairs(q, words, 0x43004300 if ct == 0 else 0x64006400)
+        for j in range(4):
+            for e in range(4):
+                for half in range(2):
+                    codes.append(cs[4 * (e + 4 * half) + j])
+                    pairs.append(_half_value((chain[j][e] >> (16 * half)) & 0xFFFF, ct))
+    c = torch.tensor(codes, dtype=torch.float64)
+    c7 = c * 2 ** (7 - q)
+    pair = torch.tensor(pairs, dtype=torch.float64)
+    assert torch.equal(pair, bias + c7)
+    assert sorted(set(codes)) == list(range(2**q)) and len(codes) == 2**q * 32
+    # rows: small and large offsets against the scale, scales off and on powers of two (A rounded or not)
+    for s, o in ((0.0123, 0.0), (0.0123, 1.7), (1.0 / 64, -3.0), (0.37, 0.05), (3e-4, 2e-3)):
+        ar, cc, zf, k0, w = _coef(s, o, q, ct)
+        a, z = 2 * s * 2.0 ** (q - w), o - s * (2**q - 1)  # make_row_coef's A (the bytes are c7: W = 7)
+        exact = 2 * s * c + z
+        slack = 2.0**-20 * (abs(z) + a * 128)  # the fp32 offset arithmetic
+        if not offw and ct == 0:
+            wp = rnd(pair * ar + cc)  # one fma
+            eps = cc + (128 + k0) * ar
+            got = wp + zf
+            bound = u * (2 * (1 + u) * (a * (c7 - k0)).abs() + abs(eps)) + slack
+            assert (wp.abs() <= (1 + 2 * u) * a * k0 + abs(eps) + u * a).all()  # as small as the centred weight
+        elif not offw:
+            cx = rnd(pair * k["ONE"] + k["NEG_BIAS"])
+            centred = rnd(cx * k["ONE"] + cc)
+            assert torch.equal(cx, c7) and torch.equal(centred, c7 - k0)  # exact
+            got = rnd(centred * ar) + zf
+            bound = u * 2 * (1 + u) * (a * (c7 - k0)).abs() + slack
+        else:
+            centred = rnd(pair * k["ONE"] + k["NEG_BIAS_64"])
+            assert torch.equal(centred, c7 - kc)
+            zc = rnd(torch.tensor(z + kc * a, dtype=torch.float64))  # centred_offset, splat in the compute type
+            got = rnd(centred * ar + zc)
+            bound = u * (1 + u) * (2 * (a * (c7 - kc)).abs() + 2 * abs(z + kc * a)) + slack
+        err = (got - exact).abs()
+        assert (err <= bound).all(), (s, o, float((err - bound).max()), int(c[(err - bound).argmax()]))
 
 
 def test_dispatch_rule():
@@ -399,7 +539,7 @@ def _code_constants(ct: int) -> dict[str, float]:
 
 @pytest.mark.parametrize("ct", [0, 1], ids=["bf16", "fp16"])
 def test_byte_codes_are_exact_in_two_packed_fmas(ct):
-    """q > 4: the code c = 16 hi + lo (less 128 when centred) from the two nibble codes in two packed fmas, 16 (BIAS +
+    """q = 8: the code c = 16 hi + lo (less 128 when centred) from the two nibble codes in two packed fmas, 16 (BIAS +
     hi) - 17 BIAS (- 128), then (BIAS + lo) plus that: every constant is the value it names, and both fma results are
     exact in the compute type (each rounds to itself) for all 256 codes, so the weights are the bits they were with
     three fmas."""
