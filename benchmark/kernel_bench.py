@@ -89,8 +89,8 @@ def uniform_case(model: str, m: int, bits: int, device):
     the inputs of the one-call scripts that run under ncu."""
     md = MODELS[model]
     E, topk, H, I = md["E"], md["topk"], md["H"], md["I"]
-    w13 = random_ap_projection(E, 2 * I, H, [bits] * E, table_kind="ubcq", group_size=GROUP, seed=1, device=device)
-    w2 = random_ap_projection(E, H, I, [bits] * E, table_kind="ubcq", group_size=GROUP, seed=2, device=device)
+    w13 = random_ap_projection(E, 2 * I, H, [bits] * E, table_kind="ubcq", group_size=shard_group(H, I), seed=1, device=device)
+    w2 = random_ap_projection(E, H, I, [bits] * E, table_kind="ubcq", group_size=shard_group(H, I), seed=2, device=device)
     x = torch.randn((m, H), device=device, dtype=torch.bfloat16)
     tw, ids = make_routing(m, E, topk, md["renormalize"], m, device)
     return x, tw, ids, w13.weights, w2.weights
@@ -203,8 +203,8 @@ def profile_one(args) -> None:
     M = int(args.ms.split(",")[0])
     kind = args.kinds.split(",")[0]
     case = args.cases.split(",")[0]
-    p13 = random_ap_projection(E, 2 * I, H, case_bits(case, E, "w13"), table_kind=kind, group_size=GROUP, bits_min=2, device=dev)
-    p2 = random_ap_projection(E, H, I, case_bits(case, E, "w2"), table_kind=kind, group_size=GROUP, bits_min=2, device=dev)
+    p13 = random_ap_projection(E, 2 * I, H, case_bits(case, E, "w13"), table_kind=kind, group_size=shard_group(H, I), bits_min=2, device=dev)
+    p2 = random_ap_projection(E, H, I, case_bits(case, E, "w2"), table_kind=kind, group_size=shard_group(H, I), bits_min=2, device=dev)
     x = torch.randn((M, H), device=dev, dtype=torch.bfloat16)
     tw, ids = make_routing(M, E, topk, model["renormalize"], M, dev)
     for _ in range(3):
@@ -299,8 +299,8 @@ def main() -> None:
         torch.cuda.empty_cache()
 
         for kind in kinds:
-            p13 = random_ap_projection(E, 2 * I, H, [8] * E, table_kind=kind, group_size=GROUP, bits_min=2, seed=args.seed + 1, device=dev)
-            p2 = random_ap_projection(E, H, I, [8] * E, table_kind=kind, group_size=GROUP, bits_min=2, seed=args.seed + 2, device=dev)
+            p13 = random_ap_projection(E, 2 * I, H, [8] * E, table_kind=kind, group_size=shard_group(H, I), bits_min=2, seed=args.seed + 1, device=dev)
+            p2 = random_ap_projection(E, H, I, [8] * E, table_kind=kind, group_size=shard_group(H, I), bits_min=2, seed=args.seed + 2, device=dev)
             torch.cuda.synchronize()
             for case in cases:
                 b13, b2 = case_bits(case, E, "w13"), case_bits(case, E, "w2")
@@ -314,7 +314,7 @@ def main() -> None:
                     c13, c2 = default_moe_configs(M, topk, E, I, H, (H, w13.bcq_group), (I, w2.bcq_group), num_sms=props.multi_processor_count)
                     r = dict(model=mk, impl="ap", kind=kind, case=case, M=M, experts_hit=len(hit),
                              avg_bits_hit=sum(b13[e] + b2[e] for e in hit) / (2 * len(hit)),
-                             weight_bytes=ap_bytes(b13, b2, hit, model, kind), cfg13=vars(c13), cfg2=vars(c2))
+                             weight_bytes=ap_bytes(b13, b2, hit, model, kind, shard_group(H, I)), cfg13=vars(c13), cfg2=vars(c2))
                     # "default" is what ap_fused_moe picks by itself (the headline); the others are the same
                     # call on the other kernels, same run
                     fold_ok = kind == "ubcq" and fold_moe_unsupported(w13, w2) is None
